@@ -1,0 +1,80 @@
+"""`dpu-agent`: run the DPU agent."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from dpu_agent import __version__, config, logs, server
+
+
+def _parser() -> argparse.ArgumentParser:
+    env_help = "\n".join(f"  {s.env:<26} {s.section}.{s.key}: {s.help}" for s in config.SETTINGS)
+    parser = argparse.ArgumentParser(
+        prog="dpu-agent",
+        description="The DPU offload agent: serves the dpu.v1 gRPC API.",
+    )
+    parser.add_argument("--version", action="version", version=f"dpu-agent {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="run the agent until SIGTERM/SIGINT",
+        description="Run the agent until SIGTERM or SIGINT, then drain in-flight RPCs.",
+        epilog="settings come from defaults < --config file < environment < flags.\n"
+        "environment variables:\n" + env_help,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("-c", "--config", type=Path, help="TOML configuration file")
+    serve.add_argument("--listen", help="gRPC listen address host:port (port 0: any free port)")
+    serve.add_argument("--agent-id", help="agent id (its resource name is agents/{id})")
+    serve.add_argument("--log-level", choices=logs.LEVELS)
+    serve.add_argument("--log-format", choices=logs.FORMATS)
+    serve.add_argument(
+        "--ready-file",
+        type=Path,
+        help="write the bound host:port here once serving (for scripts)",
+    )
+    check = sub.add_parser(
+        "check-config",
+        help="validate a configuration and print the merged result",
+        description="Validate the configuration (file + environment) and print it.",
+    )
+    check.add_argument("-c", "--config", type=Path, help="TOML configuration file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `dpu-agent`."""
+    args = _parser().parse_args(argv)
+    overrides = {}
+    if args.command == "serve":
+        overrides = {
+            "listen": args.listen,
+            "agent_id": args.agent_id,
+            "log_level": args.log_level,
+            "log_format": args.log_format,
+        }
+    try:
+        cfg = config.load(args.config, overrides=overrides)
+    except config.ConfigError as exc:
+        print(f"dpu-agent: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        for field, value in vars(cfg).items():
+            print(f"{field} = {value!r}")
+        return 0
+    logs.configure(cfg.log_level, cfg.log_format)
+    try:
+        asyncio.run(server.serve(cfg, ready_file=args.ready_file))
+    except OSError as exc:
+        logging.getLogger("dpu_agent").error("cannot start: %s", exc)  # noqa: TRY400
+        print(f"dpu-agent: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

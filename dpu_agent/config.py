@@ -1,0 +1,165 @@
+"""Agent configuration: defaults < TOML file < environment < command-line flags.
+
+Example file (every key optional):
+
+    [agent]
+    id = "dpu-0"                  # the agent's resource name is "agents/dpu-0"
+    listen = "127.0.0.1:50051"    # host:port; port 0 picks a free port
+    grace_period = 10.0           # seconds in-flight RPCs get to finish on SIGTERM
+
+    [log]
+    level = "info"                # debug, info, warning, error
+    format = "json"               # json, text
+
+Each key has an environment variable that overrides the file, e.g.
+`DPU_AGENT_LISTEN=0.0.0.0:50051`; `dpu-agent serve --help` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from typing import TYPE_CHECKING, Any, Final
+
+from dpu_agent import logs
+from dpu_wire import names
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from pathlib import Path
+
+
+class ConfigError(Exception):
+    """The configuration is malformed; the message says where and why."""
+
+
+def _default_agent_id() -> str:
+    host = socket.gethostname().lower().split(".")[0]
+    cleaned = "".join(c if c.isalnum() else "-" for c in host).strip("-")[: names.MAX_ID_LENGTH]
+    return cleaned or "dpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """The agent's settings after all sources are merged and validated."""
+
+    agent_id: str = dataclasses.field(default_factory=_default_agent_id)
+    listen: str = "127.0.0.1:50051"
+    grace_period: float = 10.0
+    log_level: str = "info"
+    log_format: str = "json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One configuration key: where it lives in the file and the environment."""
+
+    section: str
+    key: str
+    attr: str
+    env: str
+    parse: Callable[[object, str], Any]
+    help: str
+
+
+def _agent_id(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {type(value).__name__}")
+    try:
+        return names.check_id(value, "agent id")
+    except names.InvalidNameError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _listen(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {type(value).__name__}")
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: {value!r} is not host:port (port 0-65535)")
+    return value
+
+
+def _seconds(value: object, where: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: {value!r} is not a number of seconds") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 3600:
+        raise ConfigError(f"{where}: expected seconds between 0 and 3600, got {value!r}")
+    return float(value)
+
+
+def _choice(*allowed: str) -> Callable[[object, str], str]:
+    def parse(value: object, where: str) -> str:
+        if not isinstance(value, str) or value.lower() not in allowed:
+            raise ConfigError(f"{where}: expected one of {', '.join(allowed)}, got {value!r}")
+        return value.lower()
+
+    return parse
+
+
+SETTINGS: Final = (
+    Setting(
+        "agent", "id", "agent_id", "DPU_AGENT_ID", _agent_id, "agent id (resource agents/{id})"
+    ),
+    Setting("agent", "listen", "listen", "DPU_AGENT_LISTEN", _listen, "gRPC listen address"),
+    Setting(
+        "agent",
+        "grace_period",
+        "grace_period",
+        "DPU_AGENT_GRACE_PERIOD",
+        _seconds,
+        "seconds in-flight RPCs get on shutdown",
+    ),
+    Setting("log", "level", "log_level", "DPU_AGENT_LOG_LEVEL", _choice(*logs.LEVELS), "log level"),
+    Setting(
+        "log", "format", "log_format", "DPU_AGENT_LOG_FORMAT", _choice(*logs.FORMATS), "log format"
+    ),
+)
+
+
+def _from_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    known = {(s.section, s.key): s for s in SETTINGS}
+    values: dict[str, Any] = {}
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{section}] must be a table")
+        for key, value in table.items():
+            setting = known.get((section, key))
+            if setting is None:
+                valid = ", ".join(sorted(f"{s.section}.{s.key}" for s in SETTINGS))
+                raise ConfigError(f"{path}: unknown setting {section}.{key} (valid: {valid})")
+            values[setting.attr] = setting.parse(value, f"{path}: {section}.{key}")
+    return values
+
+
+def load(
+    path: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> AgentConfig:
+    """Merge defaults, the TOML file, the environment and explicit overrides."""
+    values: dict[str, Any] = _from_file(path) if path is not None else {}
+    env = os.environ if environ is None else environ
+    by_attr = {s.attr: s for s in SETTINGS}
+    for setting in SETTINGS:
+        if setting.env in env:
+            values[setting.attr] = setting.parse(env[setting.env], f"${setting.env}")
+    for attr, value in (overrides or {}).items():
+        if value is not None:
+            values[attr] = by_attr[attr].parse(value, f"--{attr.replace('_', '-')}")
+    return AgentConfig(**values)

@@ -1,0 +1,175 @@
+"""The one place where RPCs meet domain code.
+
+For every RPC the interceptor:
+- sets the request id (from `x-request-id` metadata, or a new one) for logs and
+  echoes it in the trailing metadata;
+- runs the generic request validation (`dpu_agent.validation`);
+- maps domain errors (`dpu_agent.errors`) to gRPC status codes, and any other
+  exception to INTERNAL without leaking its text;
+- writes one access-log line with method, status code and duration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final, NoReturn, cast
+
+import grpc
+
+from dpu_agent import errors, request_context
+from dpu_agent.validation import validate_request
+from dpu_wire import REQUEST_ID_METADATA_KEY
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
+
+log = logging.getLogger(__name__)
+
+STATUS_FOR: Final[dict[type[errors.AgentError], grpc.StatusCode]] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Cancelled: grpc.StatusCode.CANCELLED,
+    errors.NotImplementedYet: grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+def status_for(exc: errors.AgentError) -> grpc.StatusCode:
+    """GRPC status code for a domain error (the nearest mapped base class wins)."""
+    for cls in type(exc).__mro__:
+        code = STATUS_FOR.get(cls)
+        if code is not None:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+_MAX_REQUEST_ID = 128
+
+
+def _request_id(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_METADATA_KEY and isinstance(value, str) and value:
+            return value[:_MAX_REQUEST_ID]
+    return uuid.uuid4().hex
+
+
+class _Rpc:
+    """Book-keeping of one call: context variables, outcome and the access log."""
+
+    def __init__(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.method = method
+        self.context = context
+        self.rid = _request_id(context)
+        self.code = grpc.StatusCode.OK
+        self.start = time.perf_counter()
+        self._tokens = (
+            request_context.request_id.set(self.rid),
+            request_context.rpc_method.set(method),
+        )
+        context.set_trailing_metadata(((REQUEST_ID_METADATA_KEY, self.rid),))
+
+    async def fail(self, exc: Exception) -> NoReturn:
+        """Abort the call with the status the exception maps to."""
+        if isinstance(exc, errors.AgentError):
+            self.code = status_for(exc)
+            await self.context.abort(self.code, str(exc))
+        self.code = grpc.StatusCode.INTERNAL
+        log.error("unhandled error in %s", self.method, exc_info=exc)
+        await self.context.abort(self.code, f"internal error (request id {self.rid})")
+
+    def finish(self) -> None:
+        """Write the access-log line and restore the context variables."""
+        code = self.context.code() if self.code == grpc.StatusCode.OK else self.code
+        log.info(
+            "rpc",
+            extra={
+                "method": self.method,
+                "code": code.name if isinstance(code, grpc.StatusCode) else str(code or "OK"),
+                "ms": round((time.perf_counter() - self.start) * 1000, 3),
+            },
+        )
+        request_context.request_id.reset(self._tokens[0])
+        request_context.rpc_method.reset(self._tokens[1])
+
+
+UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
+StreamBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]
+
+
+def _wrap_unary(method: str, inner: UnaryBehavior) -> UnaryBehavior:
+    async def behavior(request: Message, context: grpc.aio.ServicerContext[Any, Any]) -> Any:  # noqa: ANN401
+        rpc = _Rpc(method, context)
+        try:
+            validate_request(request)
+            return await inner(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            await rpc.fail(exc)
+        finally:
+            rpc.finish()
+
+    return behavior
+
+
+def _wrap_stream(method: str, inner: StreamBehavior) -> StreamBehavior:
+    async def behavior(
+        request: Message, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        rpc = _Rpc(method, context)
+        try:
+            validate_request(request)
+            async for item in inner(request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await rpc.fail(exc)
+        finally:
+            rpc.finish()
+
+    return behavior
+
+
+if TYPE_CHECKING:
+    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
+    _Handler = grpc.RpcMethodHandler[Any, Any]
+else:  # grpc's classes are not subscriptable at run time
+    _Interceptor = grpc.aio.ServerInterceptor
+    _Handler = grpc.RpcMethodHandler
+
+
+class RpcInterceptor(_Interceptor):
+    """Request ids, validation, error mapping and access logs (unary and server-streaming)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> _Handler:
+        """Wrap the handler's behaviour; other handler kinds pass through."""
+        handler: _Handler | None = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
+            return None  # type: ignore[return-value]  # grpc-stubs misses the Optional
+        method: str = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(method, cast("UnaryBehavior", handler.unary_unary)),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(method, cast("StreamBehavior", handler.unary_stream)),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler

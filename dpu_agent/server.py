@@ -1,0 +1,195 @@
+"""Server wiring: the grpc.aio server, its services, health, reflection and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import logging
+import signal
+from typing import TYPE_CHECKING, Any, Final
+
+import grpc
+from google.protobuf import descriptor, timestamp_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dpu_agent import __version__, platform
+from dpu_agent.interceptor import RpcInterceptor
+from dpu_agent.services.agent_info import AgentInfoService
+from dpu_agent.services.unimplemented import unimplemented_handler
+from dpu_wire.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    job_pb2,
+    network_pb2,
+    session_pb2,
+    storage_pb2,
+    virtualization_pb2,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+    from pathlib import Path
+
+    from dpu_agent.config import AgentConfig
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedService:
+    """An API service defined in proto/ that this agent version does not serve yet."""
+
+    descriptor: descriptor.ServiceDescriptor
+    reason: str
+
+
+PLANNED_SERVICES: Final = (
+    PlannedService(
+        session_pb2.DESCRIPTOR.services_by_name["SessionService"],
+        "sessions and the RDMA data plane are not in this version yet",
+    ),
+    PlannedService(
+        job_pb2.DESCRIPTOR.services_by_name["JobService"],
+        "jobs need sessions, which are not in this version yet",
+    ),
+    PlannedService(
+        storage_pb2.DESCRIPTOR.services_by_name["StorageService"],
+        "storage offload is not in this version yet",
+    ),
+    PlannedService(
+        network_pb2.DESCRIPTOR.services_by_name["NetworkService"],
+        "network offload is not in this version yet",
+    ),
+    PlannedService(
+        virtualization_pb2.DESCRIPTOR.services_by_name["VirtualizationService"],
+        "virtualization offload is not in this version yet",
+    ),
+)
+
+SERVED_SERVICES: Final = (agent_pb2.DESCRIPTOR.services_by_name["AgentService"],)
+
+
+def capabilities() -> list[agent_pb2.Capability]:
+    """One capability entry per API service: served, or why not."""
+    served = [agent_pb2.Capability(service=s.full_name, available=True) for s in SERVED_SERVICES]
+    planned = [
+        agent_pb2.Capability(service=p.descriptor.full_name, available=False, reason=p.reason)
+        for p in PLANNED_SERVICES
+    ]
+    return served + planned
+
+
+def _is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class AgentServer:
+    """The agent's gRPC server. Start it, then stop it (gracefully) once."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        extra_handlers: Sequence[grpc.GenericRpcHandler[Any, Any]] = (),
+    ) -> None:
+        self.config = config
+        self._extra_handlers = tuple(extra_handlers)
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        """host:port the server is bound to (valid after start)."""
+        return f"{self.config.listen.rpartition(':')[0]}:{self.port}"
+
+    async def start(self) -> str:
+        """Bind, register every service and start serving; return the bound address."""
+        if self._server is not None:
+            raise RuntimeError("AgentServer.start() called twice")
+        start_time = timestamp_pb2.Timestamp()
+        start_time.GetCurrentTime()
+        devices = await asyncio.to_thread(platform.rdma_devices)
+        server = grpc.aio.server(
+            interceptors=[RpcInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(
+            AgentInfoService(self.config.agent_id, start_time, capabilities(), devices), server
+        )
+        handlers = [unimplemented_handler(p.descriptor, p.reason) for p in PLANNED_SERVICES]
+        server.add_generic_rpc_handlers([*handlers, *self._extra_handlers])
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        names = [s.full_name for s in SERVED_SERVICES] + [
+            p.descriptor.full_name for p in PLANNED_SERVICES
+        ]
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        if not _is_loopback(self.config.listen):
+            log.warning(
+                "listening in plaintext on a non-loopback address; TLS is not in this version",
+                extra={"listen": self.config.listen},
+            )
+        try:
+            self.port = server.add_insecure_port(self.config.listen)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {self.config.listen}: {exc}") from None
+        await server.start()
+        self._server = server
+        for name in (*[s.full_name for s in SERVED_SERVICES], health.OVERALL_HEALTH):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving",
+            extra={"address": self.address, "agent": self.config.agent_id, "version": __version__},
+        )
+        return self.address
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting RPCs; give in-flight ones `grace` seconds, then cancel them."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        grace = self.config.grace_period if grace is None else grace
+        await self._health.enter_graceful_shutdown()
+        log.info("draining", extra={"grace_s": grace})
+        await server.stop(grace)
+        log.info("stopped")
+
+
+async def serve(
+    config: AgentConfig,
+    *,
+    ready_file: Path | None = None,
+    extra_handlers: Iterable[grpc.GenericRpcHandler[Any, Any]] = (),
+) -> None:
+    """Run the agent until SIGTERM or SIGINT, then shut down gracefully."""
+    server = AgentServer(config, extra_handlers=tuple(extra_handlers))
+    address = await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(ready_file.suffix + ".tmp")
+        tmp.write_text(address + "\n")
+        tmp.replace(ready_file)
+    try:
+        await stop.wait()
+        log.info("signal received, shutting down")
+    finally:
+        await server.stop()

@@ -1,0 +1,1 @@
+"""gRPC servicers of the agent, one module per API service."""
