@@ -11,6 +11,7 @@ For every RPC the interceptor:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -18,13 +19,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, NoReturn, cast
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from dpu_agent import errors, request_context
 from dpu_agent.validation import validate_request
 from dpu_wire import REQUEST_ID_METADATA_KEY
-
-if TYPE_CHECKING:
-    from google.protobuf.message import Message
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +99,44 @@ class _Rpc:
         request_context.rpc_method.reset(self._tokens[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse, so the RPC can reject it."""
+
+    type_name: str
+    error: str
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any]:
+    """Wrap a request deserializer so corrupt bytes become an `_Undecodable`."""
+
+    def deserialize(data: bytes) -> Any:  # noqa: ANN401 - a request message
+        if deserializer is None:
+            return data
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return _Undecodable(method, str(exc))
+
+    return deserialize
+
+
+def _check(request: object) -> None:
+    if isinstance(request, _Undecodable):
+        raise errors.InvalidArgument(f"request of {request.type_name} is not a valid message")
+    if isinstance(request, Message):
+        validate_request(request)
+
+
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 StreamBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]
 
 
 def _wrap_unary(method: str, inner: UnaryBehavior) -> UnaryBehavior:
-    async def behavior(request: Message, context: grpc.aio.ServicerContext[Any, Any]) -> Any:  # noqa: ANN401
+    async def behavior(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:  # noqa: ANN401
         rpc = _Rpc(method, context)
         try:
-            validate_request(request)
+            _check(request)
             return await inner(request, context)
         except grpc.aio.AbortError:
             raise
@@ -122,11 +150,11 @@ def _wrap_unary(method: str, inner: UnaryBehavior) -> UnaryBehavior:
 
 def _wrap_stream(method: str, inner: StreamBehavior) -> StreamBehavior:
     async def behavior(
-        request: Message, context: grpc.aio.ServicerContext[Any, Any]
+        request: object, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         rpc = _Rpc(method, context)
         try:
-            validate_request(request)
+            _check(request)
             async for item in inner(request, context):
                 yield item
         except grpc.aio.AbortError:
@@ -163,13 +191,13 @@ class RpcInterceptor(_Interceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(method, cast("UnaryBehavior", handler.unary_unary)),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(method, cast("StreamBehavior", handler.unary_stream)),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )
         return handler

@@ -37,7 +37,7 @@ fi
 stamp="$VENV/.installed-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
     echo "bootstrap: installing the project and its pinned tools into $VENV"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt --config-settings editable_mode=compat -e '.[dev]'
     rm -f "$VENV"/.installed-*
     touch "$stamp"
 else

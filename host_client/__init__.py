@@ -1,0 +1,57 @@
+"""Host-side SDK of the DPU offload agent: async `Client`, blocking `SyncClient`.
+
+import asyncio
+from host_client import Client
+
+async def main() -> None:
+    async with Client("127.0.0.1:50051") as client:
+        info = await client.agent_info()
+        print(info.name, info.version)
+
+asyncio.run(main())
+"""
+
+from importlib import metadata as _metadata
+
+from host_client._client import DEFAULT_TARGET, Client, Stubs, default_target
+from host_client._errors import (
+    AlreadyExistsError,
+    CancelledError,
+    DeadlineExceededError,
+    DpuError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnavailableError,
+    UnimplementedError,
+)
+from host_client._sync import SyncClient
+
+try:
+    __version__ = _metadata.version("dpu-offload")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "AlreadyExistsError",
+    "CancelledError",
+    "Client",
+    "DeadlineExceededError",
+    "DpuError",
+    "FailedPreconditionError",
+    "InternalError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "ResourceExhaustedError",
+    "Stubs",
+    "SyncClient",
+    "UnavailableError",
+    "UnimplementedError",
+    "__version__",
+    "default_target",
+]

@@ -1,0 +1,164 @@
+"""The async-first SDK client."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import uuid
+from typing import TYPE_CHECKING, Any, Final, Self, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dpu_wire import REQUEST_ID_METADATA_KEY
+from dpu_wire.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    job_pb2_grpc,
+    network_pb2_grpc,
+    session_pb2_grpc,
+    storage_pb2_grpc,
+    virtualization_pb2_grpc,
+)
+from host_client._errors import NotFoundError, UnavailableError, from_rpc_error
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+    from types import TracebackType
+
+_R = TypeVar("_R")
+
+DEFAULT_TARGET: Final = "127.0.0.1:50051"
+TARGET_ENV: Final = "DPU_TARGET"
+
+
+def default_target() -> str:
+    """The agent address from $DPU_TARGET, else 127.0.0.1:50051."""
+    return os.environ.get(TARGET_ENV, DEFAULT_TARGET)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stubs:
+    """Typed gRPC stubs of every dpu.v1 service, for calls the SDK does not wrap yet."""
+
+    agent: agent_pb2_grpc.AgentServiceAsyncStub
+    sessions: session_pb2_grpc.SessionServiceAsyncStub
+    jobs: job_pb2_grpc.JobServiceAsyncStub
+    storage: storage_pb2_grpc.StorageServiceAsyncStub
+    network: network_pb2_grpc.NetworkServiceAsyncStub
+    virtualization: virtualization_pb2_grpc.VirtualizationServiceAsyncStub
+    health: health_pb2_grpc.HealthStub
+
+
+_HEALTH_STATES: Final = {
+    health_pb2.HealthCheckResponse.SERVING: "SERVING",
+    health_pb2.HealthCheckResponse.NOT_SERVING: "NOT_SERVING",
+    health_pb2.HealthCheckResponse.SERVICE_UNKNOWN: "SERVICE_UNKNOWN",
+    health_pb2.HealthCheckResponse.UNKNOWN: "UNKNOWN",
+}
+
+
+class Client:
+    """Async client of one DPU agent.
+
+    Use it as an async context manager; it is reusable (enter it again after it
+    exited) but not re-entrant:
+
+        async with Client("127.0.0.1:50051") as client:
+            info = await client.agent_info()
+
+    Every call carries a request id (`x-request-id`) that the agent logs; failed
+    calls raise a `DpuError` subclass that carries it too.
+    """
+
+    def __init__(self, target: str | None = None, *, timeout: float | None = 10.0) -> None:
+        """Create a client for the agent at `target` (host:port, default $DPU_TARGET).
+
+        `timeout` is the per-call deadline in seconds (None: no deadline).
+        """
+        self.target = target or default_target()
+        self.timeout = timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stubs: Stubs | None = None
+
+    async def __aenter__(self) -> Self:
+        if self._channel is not None:
+            raise RuntimeError("Client is already open (it is not re-entrant)")
+        self._channel = grpc.aio.insecure_channel(self.target)
+        channel: Any = self._channel
+        self._stubs = Stubs(
+            agent=agent_pb2_grpc.AgentServiceStub(channel),
+            sessions=session_pb2_grpc.SessionServiceStub(channel),
+            jobs=job_pb2_grpc.JobServiceStub(channel),
+            storage=storage_pb2_grpc.StorageServiceStub(channel),
+            network=network_pb2_grpc.NetworkServiceStub(channel),
+            virtualization=virtualization_pb2_grpc.VirtualizationServiceStub(channel),
+            health=health_pb2_grpc.HealthStub(channel),
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        channel, self._channel, self._stubs = self._channel, None, None
+        if channel is not None:
+            await channel.close(grace=None)
+
+    @property
+    def stubs(self) -> Stubs:
+        """The raw typed stubs (the client must be open)."""
+        if self._stubs is None:
+            raise RuntimeError("Client is not open: use `async with Client(...)`")
+        return self._stubs
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109
+        """Wait until the channel to the agent is connected, or raise UnavailableError."""
+        if self._channel is None:
+            raise RuntimeError("Client is not open: use `async with Client(...)`")
+        try:
+            await _with_timeout(self._channel.channel_ready(), timeout)
+        except TimeoutError:
+            raise UnavailableError(
+                "UNAVAILABLE", f"agent at {self.target} not reachable within {timeout} s"
+            ) from None
+
+    async def agent_info(self) -> agent_pb2.AgentInfo:
+        """Identity, version, platform, RDMA devices and capabilities of the agent."""
+        return await self._call(self.stubs.agent.GetAgentInfo, agent_pb2.GetAgentInfoRequest())
+
+    async def health(self, service: str = "") -> str:
+        """Health of the agent ("" for overall) or one service: "SERVING", "NOT_SERVING", ..."""
+        try:
+            response: health_pb2.HealthCheckResponse = await self._call(
+                self.stubs.health.Check,
+                health_pb2.HealthCheckRequest(service=service),
+            )
+        except NotFoundError:  # the health protocol's answer for an unknown service
+            return "SERVICE_UNKNOWN"
+        return _HEALTH_STATES.get(response.status, str(response.status))
+
+    async def _call(
+        self,
+        method: Callable[..., Awaitable[_R]],
+        request: object,
+        *,
+        request_id: str | None = None,
+    ) -> _R:
+        rid = request_id or uuid.uuid4().hex
+        try:
+            return await method(
+                request,
+                timeout=self.timeout,
+                metadata=((REQUEST_ID_METADATA_KEY, rid),),
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, rid) from None
+
+
+async def _with_timeout(awaitable: Awaitable[None], timeout: float) -> None:  # noqa: ASYNC109
+    async with asyncio.timeout(timeout):
+        await awaitable

@@ -1,0 +1,75 @@
+"""Fixtures that run the real agent as a separate process on a loopback port."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT = 30.0
+
+
+@dataclasses.dataclass
+class AgentProcess:
+    """A running `dpu-agent serve` and where to find its output."""
+
+    proc: subprocess.Popen[bytes]
+    address: str
+    log_path: Path
+
+    def log_entries(self) -> list[dict[str, object]]:
+        """The agent's JSON log lines so far."""
+        entries = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                entries.append({"raw": line})
+        return entries
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM the agent and return its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+def start_agent(
+    tmp_path: Path,
+    *args: str,
+    program: tuple[str, ...] = (sys.executable, "-m", "dpu_agent"),
+    env: dict[str, str] | None = None,
+) -> AgentProcess:
+    """Start an agent process listening on a free loopback port and wait until it serves."""
+    ready = tmp_path / f"ready-{time.monotonic_ns()}"
+    log_path = tmp_path / f"agent-{time.monotonic_ns()}.log"
+    cmd = [*program, "serve", "--listen", "127.0.0.1:0"]
+    cmd += ["--ready-file", str(ready), "--log-format", "json", *args]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    deadline = time.monotonic() + START_TIMEOUT
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"agent exited with {proc.returncode}: {log_path.read_text()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"agent did not start in {START_TIMEOUT} s: {log_path.read_text()}")
+        time.sleep(0.05)
+    return AgentProcess(proc, ready.read_text().strip(), log_path)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory):
+    """One agent process shared by a test module; it must exit 0 on SIGTERM."""
+    process = start_agent(tmp_path_factory.mktemp("agent"))
+    yield process
+    assert process.terminate() == 0, process.log_path.read_text()

@@ -1,0 +1,51 @@
+import grpc
+import pytest
+
+import host_client
+from dpu_agent import errors
+from dpu_agent.interceptor import STATUS_FOR, status_for
+from host_client._errors import _ERROR_FOR
+
+
+def test_every_domain_error_has_a_status():
+    domain = {
+        cls
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, errors.AgentError)
+    }
+    domain.discard(errors.AgentError)
+    assert domain == set(STATUS_FOR)
+
+
+def test_subclass_of_a_domain_error_maps_like_its_base():
+    class VolumeMissing(errors.NotFound):
+        pass
+
+    assert status_for(VolumeMissing("x")) == grpc.StatusCode.NOT_FOUND
+    assert status_for(errors.AgentError("x")) == grpc.StatusCode.UNKNOWN
+
+
+@pytest.mark.parametrize("code", list(grpc.StatusCode))
+def test_every_status_maps_to_a_typed_sdk_error(code):
+    if code == grpc.StatusCode.OK:
+        return
+    cls = _ERROR_FOR.get(code, host_client.InternalError)
+    assert issubclass(cls, host_client.DpuError)
+    assert cls.__name__ in host_client.__all__
+
+
+def test_agent_statuses_round_trip_to_sdk_errors():
+    expected = {
+        grpc.StatusCode.INVALID_ARGUMENT: host_client.InvalidArgumentError,
+        grpc.StatusCode.NOT_FOUND: host_client.NotFoundError,
+        grpc.StatusCode.ALREADY_EXISTS: host_client.AlreadyExistsError,
+        grpc.StatusCode.FAILED_PRECONDITION: host_client.FailedPreconditionError,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: host_client.ResourceExhaustedError,
+        grpc.StatusCode.PERMISSION_DENIED: host_client.PermissionDeniedError,
+        grpc.StatusCode.UNAVAILABLE: host_client.UnavailableError,
+        grpc.StatusCode.DEADLINE_EXCEEDED: host_client.DeadlineExceededError,
+        grpc.StatusCode.CANCELLED: host_client.CancelledError,
+        grpc.StatusCode.UNIMPLEMENTED: host_client.UnimplementedError,
+    }
+    for code in STATUS_FOR.values():
+        assert _ERROR_FOR[code] is expected[code]

@@ -1,0 +1,15 @@
+import host_client
+
+
+def test_all_names_exist_and_nothing_private_leaks():
+    for name in host_client.__all__:
+        assert hasattr(host_client, name), name
+    public = {n for n in dir(host_client) if not n.startswith("_")}
+    assert public - set(host_client.__all__) == set(), "public names missing from __all__"
+
+
+def test_errors_share_one_base():
+    for name in host_client.__all__:
+        obj = getattr(host_client, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, host_client.DpuError)
