@@ -1,0 +1,56 @@
+# The project's contract (see README):
+#   make demo   set up from a fresh machine, start the agent, call it via SDK, CLI and grpcurl
+#   make test   set up, lint, host suites, then the soft-RoCE VM suite (fails if it skipped)
+#   make bench  benchmarks; JSON results in bench/results/
+#   make lint   ruff, ruff format --check, mypy --strict, stale generated-code check
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The VM harness is stdlib-only and runs on the system Python.
+TESTVM := /usr/bin/python3 deploy/testvm/testvm.py
+LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench
+VM_JUNIT := .testvm/out/junit-vm.xml
+
+.PHONY: help venv proto check-proto lint test test-host test-vm vm-fetch demo bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
+
+venv:  ## install Debian packages, the virtualenv and the project (idempotent)
+	@scripts/bootstrap.sh
+
+proto: venv  ## regenerate dpu_wire/v1 from proto/
+	$(PY) scripts/gen_proto.py
+
+check-proto: venv  ## fail if dpu_wire/v1 is stale
+	$(PY) scripts/gen_proto.py --check
+
+lint: venv check-proto  ## ruff + mypy --strict on our code (not generated stubs)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy $(LINT_PATHS)
+
+test-host: venv  ## unit and integration suites on this machine (RDMA tests skip here, with the reason)
+	$(PY) -m pytest tests/unit tests/integration tests/vm
+
+vm-fetch: venv  ## download and cache the test VM's kernel and initramfs
+	$(TESTVM) fetch
+
+test-vm: venv  ## the RDMA suite inside the soft-RoCE test VM; fails if it skipped or ran nothing
+	@mkdir -p $(dir $(VM_JUNIT)) && rm -f $(VM_JUNIT)
+	$(TESTVM) run -- $(PY) -m pytest tests/vm -p no:cacheprovider -v --junitxml=$(VM_JUNIT)
+	/usr/bin/python3 deploy/testvm/check_junit.py $(VM_JUNIT) --min-tests 1
+
+test: lint test-host test-vm  ## everything: set-up, lint, host suites, VM suite
+
+demo: venv  ## start the agent and call it through the SDK, dpuctl and grpcurl
+	@scripts/demo.sh
+
+bench: venv  ## run the benchmarks; results in bench/results/*.json
+	$(PY) -m bench.run
+
+clean:  ## remove the virtualenv and test output (keeps the VM kernel cache)
+	rm -rf $(VENV) .testvm .pytest_cache .mypy_cache .ruff_cache .demo

@@ -1,0 +1,63 @@
+"""Control-plane call rate: GetAgentInfo through the SDK vs the raw generated stub.
+
+Both run in the same process, against the same agent process, on one channel
+each, sequentially (one call in flight), so the ratio is the SDK's overhead
+(request ids, error mapping) over grpc.aio itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+import host_client
+from bench.common import Result, agent_process, write_results
+from dpu_wire.v1 import agent_pb2, agent_pb2_grpc
+
+CALLS = 2000
+ROUNDS = 3
+
+
+async def _sdk_rate(target: str) -> float:
+    async with host_client.Client(target) as client:
+        await client.agent_info()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            await client.agent_info()
+        return CALLS / (time.perf_counter() - start)
+
+
+async def _raw_rate(target: str) -> float:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        request = agent_pb2.GetAgentInfoRequest()
+        await stub.GetAgentInfo(request)
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            await stub.GetAgentInfo(request)
+        return CALLS / (time.perf_counter() - start)
+
+
+async def _measure(target: str) -> tuple[float, float]:
+    ours, ref = [], []
+    for _ in range(ROUNDS):  # interleaved, best of ROUNDS each
+        ref.append(await _raw_rate(target))
+        ours.append(await _sdk_rate(target))
+    return max(ours), max(ref)
+
+
+def main() -> list[Result]:
+    """Run the benchmark and write bench/results/grpc_unary.json."""
+    with agent_process() as target:
+        ours, ref = asyncio.run(_measure(target))
+    results = [
+        Result("GetAgentInfo sequential calls", ours, ref, "calls/s", "raw grpc.aio stub"),
+    ]
+    write_results("grpc_unary", results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

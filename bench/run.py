@@ -1,0 +1,19 @@
+"""`make bench` (`python -m bench.run`): run every benchmark into bench/results/<name>.json."""
+
+from __future__ import annotations
+
+from bench import grpc_unary
+
+BENCHES = (grpc_unary,)
+
+
+def main() -> int:
+    """Run the benchmarks in order."""
+    for bench in BENCHES:
+        print(f"== {bench.__name__}: {(bench.__doc__ or '').splitlines()[0]}")
+        bench.main()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
