@@ -1,7 +1,7 @@
 """Domain errors of the agent.
 
 Service code raises these; it never deals in gRPC status codes. The one place that
-turns them into gRPC statuses is `dpu_agent.rpc_errors`.
+turns them into status codes is `dpu_agent.status`.
 
     AgentError
     ├── InvalidArgument      the request is malformed or contradictory

@@ -16,39 +16,17 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from dpu_agent import errors, request_context
+from dpu_agent.status import status_for
 from dpu_agent.validation import validate_request
 from dpu_wire import REQUEST_ID_METADATA_KEY
 
 log = logging.getLogger(__name__)
-
-STATUS_FOR: Final[dict[type[errors.AgentError], grpc.StatusCode]] = {
-    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.NotFound: grpc.StatusCode.NOT_FOUND,
-    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.Cancelled: grpc.StatusCode.CANCELLED,
-    errors.NotImplementedYet: grpc.StatusCode.UNIMPLEMENTED,
-}
-
-
-def status_for(exc: errors.AgentError) -> grpc.StatusCode:
-    """GRPC status code for a domain error (the nearest mapped base class wins)."""
-    for cls in type(exc).__mro__:
-        code = STATUS_FOR.get(cls)
-        if code is not None:
-            return code
-    return grpc.StatusCode.UNKNOWN
-
 
 _MAX_REQUEST_ID = 128
 

@@ -3,7 +3,7 @@ import pytest
 
 import host_client
 from dpu_agent import errors
-from dpu_agent.interceptor import STATUS_FOR, status_for
+from dpu_agent.status import STATUS_FOR, code_for, status_for
 from host_client._errors import _ERROR_FOR
 
 
@@ -49,3 +49,8 @@ def test_agent_statuses_round_trip_to_sdk_errors():
     }
     for code in STATUS_FOR.values():
         assert _ERROR_FOR[code] is expected[code]
+
+
+def test_completion_codes_use_the_same_numbers():
+    assert code_for(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND.value[0]
+    assert code_for(RuntimeError("boom")) == grpc.StatusCode.INTERNAL.value[0]

@@ -1,0 +1,1 @@
+"""The agent side of the data plane: sessions, their regions and queues, and job execution."""

@@ -1,0 +1,1 @@
+"""Data-plane transports: `base` (the interface), `tcp`, and `verbs` (pyverbs)."""
