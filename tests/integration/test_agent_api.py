@@ -63,7 +63,7 @@ async def test_streaming_rpc_of_planned_service_is_unimplemented(agent):
             async for _ in call:
                 pass
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "WatchCompletions" in info.value.details()
+    assert "WatchCompletions" in (info.value.details() or "")
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,11 @@ async def test_streaming_rpc_of_planned_service_is_unimplemented(agent):
         ("storage.GetVolume", storage_pb2.GetVolumeRequest(name=""), "name is empty"),
         ("storage.GetVolume", storage_pb2.GetVolumeRequest(name="volumes/" + "a" * 300), "at most"),
         ("storage.CreateVolume", storage_pb2.CreateVolumeRequest(volume_id="UPPER"), "volume_id"),
-        ("sessions.OpenSession", session_pb2.OpenSessionRequest(transport=77), "unknown value 77"),
+        (
+            "sessions.OpenSession",
+            session_pb2.OpenSessionRequest(transport=77),  # type: ignore[arg-type]
+            "unknown value 77",
+        ),
         ("jobs.ListJobs", job_pb2.ListJobsRequest(session="sessions/s", page_size=-5), "negative"),
     ],
 )
@@ -106,18 +110,18 @@ async def test_request_id_reaches_the_agent_log(agent):
 
 async def test_garbage_request_bytes_are_rejected_not_crashing(agent):
     async with grpc.aio.insecure_channel(agent.address) as channel:
-        raw = channel.unary_unary("/dpu.v1.StorageService/GetVolume")
+        raw = channel.unary_unary("/dpu.v1.StorageService/GetVolume", None, None)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await raw(b"\xff\xff\xff\xff")
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "not a valid message" in info.value.details()
+    assert "not a valid message" in (info.value.details() or "")
     async with host_client.Client(agent.address) as client:
         assert await client.health() == "SERVING"
 
 
 async def test_unknown_method_is_unimplemented(agent):
     async with grpc.aio.insecure_channel(agent.address) as channel:
-        raw = channel.unary_unary("/dpu.v1.AgentService/NoSuchMethod")
+        raw = channel.unary_unary("/dpu.v1.AgentService/NoSuchMethod", None, None)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await raw(b"")
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED

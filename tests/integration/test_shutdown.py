@@ -7,8 +7,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import start_agent
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.conftest import start_agent
 
 SLOW_AGENT = (sys.executable, str(Path(__file__).with_name("slow_agent.py")))
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.asyncio
 async def test_sigterm_lets_in_flight_calls_finish(tmp_path):
     agent = start_agent(tmp_path, program=SLOW_AGENT, env={"DPU_AGENT_GRACE_PERIOD": "20"})
     async with grpc.aio.insecure_channel(agent.address) as channel:
-        sleep = channel.unary_unary("/test.Slow/Sleep")
+        sleep = channel.unary_unary("/test.Slow/Sleep", None, None)
         in_flight = asyncio.ensure_future(sleep(b"2", timeout=30))
         await asyncio.sleep(0.5)
         agent.proc.send_signal(signal.SIGTERM)
@@ -36,7 +37,7 @@ async def test_sigterm_lets_in_flight_calls_finish(tmp_path):
 async def test_grace_period_bounds_the_drain(tmp_path):
     agent = start_agent(tmp_path, program=SLOW_AGENT, env={"DPU_AGENT_GRACE_PERIOD": "1"})
     async with grpc.aio.insecure_channel(agent.address) as channel:
-        sleep = channel.unary_unary("/test.Slow/Sleep")
+        sleep = channel.unary_unary("/test.Slow/Sleep", None, None)
         in_flight = asyncio.ensure_future(sleep(b"60", timeout=90))
         await asyncio.sleep(0.5)
         agent.proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,1 @@
+"""The suite that runs inside the soft-RoCE test VM (deploy/testvm)."""
