@@ -1,0 +1,201 @@
+"""Jobs: what a job is, its one-way state machine, and how each kind runs.
+
+A job moves QUEUED → RUNNING → (SUCCEEDED | FAILED | CANCELLED), or straight from
+QUEUED to FAILED/CANCELLED. `JobRecord.finish` is the only way into a final state
+and refuses a second time, which is what makes a completion exactly-once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import time
+from typing import TYPE_CHECKING
+
+import crc32c
+
+from dpu_agent import status
+from dpu_agent.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from dpu_wire import capsule
+from dpu_wire.capsule import JobKind, Span, State
+from dpu_wire.transport.base import Access
+
+if TYPE_CHECKING:
+    from dpu_agent.dataplane.regions import RegionTable
+    from dpu_wire.transport.base import AgentTransport, Region
+
+
+class Origin(enum.Enum):
+    """How the job arrived, and so where its completion capsule goes."""
+
+    CAPSULE = "capsule"  # SEND on the data plane: the completion is SENT back too
+    GRPC = "grpc"  # SubmitJob: the completion goes to watchers only
+
+
+class JobState(enum.IntEnum):
+    """dpu.v1.JobState numbers."""
+
+    QUEUED = 1
+    RUNNING = 2
+    SUCCEEDED = 3
+    FAILED = 4
+    CANCELLED = 5
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a finished job reports."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    result: int = 0
+
+
+@dataclasses.dataclass
+class JobRecord:
+    """One job of a session."""
+
+    job_id: int
+    kind: JobKind
+    source: Span
+    destination: Span
+    origin: Origin
+    deadline: float  # time.monotonic() by which it must finish
+    request_id: str = ""
+    submit_ns: int = dataclasses.field(default_factory=time.time_ns)
+    state: JobState = JobState.QUEUED
+    start_ns: int = 0
+    cancel_requested: bool = False
+    progress: Outcome = dataclasses.field(default_factory=Outcome)
+    completion: capsule.Completion | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the job reached a final state."""
+        return self.completion is not None
+
+    def start(self) -> None:
+        """QUEUED → RUNNING."""
+        self.state = JobState.RUNNING
+        self.start_ns = time.time_ns()
+
+    def finish(
+        self,
+        state: State,
+        code: int = status.OK,
+        message: str = "",
+    ) -> capsule.Completion | None:
+        """Enter a final state once; return the completion, or None if already final."""
+        if self.completion is not None:
+            return None
+        self.state = JobState(int(state))
+        outcome = self.progress
+        self.completion = capsule.Completion(
+            job_id=self.job_id,
+            state=state,
+            status=code,
+            bytes_read=outcome.bytes_read,
+            bytes_written=outcome.bytes_written,
+            result=outcome.result,
+            submit_ns=self.submit_ns,
+            start_ns=self.start_ns,
+            end_ns=time.time_ns(),
+            message=message,
+        )
+        return self.completion
+
+
+def check_spans(job: JobRecord, regions: RegionTable) -> None:
+    """Reject a job whose spans do not fit the session's regions, before any RDMA op."""
+    regions.check_span(job.source, Access.REMOTE_READ, "source")
+    if job.kind == JobKind.COPY:
+        regions.check_span(job.destination, Access.REMOTE_WRITE, "destination")
+        if job.destination.length != job.source.length:
+            raise InvalidArgument(
+                f"copy: destination length {job.destination.length} differs from source "
+                f"length {job.source.length}"
+            )
+    elif job.destination != Span():
+        raise InvalidArgument(f"{job.kind.name.lower()}: takes no destination")
+
+
+class StagingPool:
+    """DPU-side buffers for READ destinations and WRITE sources, made once per session."""
+
+    def __init__(self, transport: AgentTransport, chunk: int, count: int) -> None:
+        self.chunk = chunk
+        self._transport = transport
+        self._all = [transport.staging(chunk) for _ in range(count)]
+        self._free: asyncio.Queue[Region] = asyncio.Queue()
+        for region in self._all:
+            self._free.put_nowait(region)
+
+    async def acquire(self) -> Region:
+        """A free buffer (waits while all are in use)."""
+        return await self._free.get()
+
+    def give_back(self, region: Region) -> None:
+        """Return a buffer; its operations must have completed."""
+        self._free.put_nowait(region)
+
+    def close(self) -> None:
+        """Release every buffer."""
+        for region in self._all:
+            self._transport.release(region)
+        self._all.clear()
+
+
+class JobRunner:
+    """Runs jobs chunk by chunk through one staging buffer per running job.
+
+    Cancellation and the deadline are checked between chunks: an RDMA operation
+    already posted is always waited for, so a staging buffer is never reused while
+    the NIC may still write into it.
+    """
+
+    def __init__(self, transport: AgentTransport, pool: StagingPool) -> None:
+        self._transport = transport
+        self._pool = pool
+
+    async def run(self, job: JobRecord) -> None:
+        """Execute the job, recording progress on it; raise a domain error if it fails."""
+        buffer = await self._pool.acquire()
+        try:
+            if job.kind == JobKind.COPY:
+                await self._copy(job, buffer)
+            else:
+                await self._crc32c(job, buffer)
+        finally:
+            self._pool.give_back(buffer)
+
+    def _checkpoint(self, job: JobRecord) -> None:
+        if job.cancel_requested:
+            raise Cancelled("cancelled by request")
+        if time.monotonic() > job.deadline:
+            raise DeadlineExceeded("job deadline exceeded")
+
+    def _chunks(self, length: int) -> list[tuple[int, int]]:
+        step = self._pool.chunk
+        return [(off, min(step, length - off)) for off in range(0, length, step)]
+
+    async def _copy(self, job: JobRecord, buffer: Region) -> None:
+        src, dst = job.source, job.destination
+        out = job.progress
+        for offset, size in self._chunks(src.length):
+            self._checkpoint(job)
+            await self._transport.read(buffer, 0, size, src.addr + offset, src.rkey)
+            out.bytes_read += size
+            await self._transport.write(buffer, 0, size, dst.addr + offset, dst.rkey)
+            out.bytes_written += size
+
+    async def _crc32c(self, job: JobRecord, buffer: Region) -> None:
+        src = job.source
+        out = job.progress
+        crc = 0
+        for offset, size in self._chunks(src.length):
+            self._checkpoint(job)
+            await self._transport.read(buffer, 0, size, src.addr + offset, src.rkey)
+            out.bytes_read += size
+            crc = crc32c.crc32c(buffer.view[:size], value=crc)
+        out.result = crc

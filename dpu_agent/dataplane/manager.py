@@ -1,0 +1,226 @@
+"""All sessions of the agent: open, find, list, close, and reap the orphaned ones.
+
+A session stays alive while its host watches it (a WatchCompletions stream, which
+the SDK keeps open for the session's life). When the last stream ends (host gone,
+network cut) and none comes back within `orphan_timeout`, the session is closed:
+its queue pair is destroyed and its regions forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Final
+
+from dpu_agent.dataplane.session import Session, SessionSettings, SessionState
+from dpu_agent.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from dpu_wire import names
+from dpu_wire.transport.base import TcpAddress, TransportError, VerbsAddress
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from dpu_agent.dataplane.jobs import JobRecord
+    from dpu_wire.transport.base import AgentTransport, PeerAddress
+
+log = logging.getLogger(__name__)
+
+TRANSPORT_VERBS: Final = 1
+TRANSPORT_TCP: Final = 2
+MAX_PAGE_SIZE: Final = 500
+DEFAULT_PAGE_SIZE: Final = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerSettings:
+    """Limits of the session manager."""
+
+    max_sessions: int = 64
+    max_queue_depth: int = 1024
+    default_queue_depth: int = 32
+    orphan_timeout: float = 10.0
+    chunk_size: int = 1 << 20
+    default_deadline: float = 60.0
+
+
+class SessionManager:
+    """Owns every session; the gRPC services are thin layers over it."""
+
+    def __init__(
+        self,
+        settings: ManagerSettings,
+        transports: dict[int, Callable[[], AgentTransport]],
+        on_completion: Callable[[Session, JobRecord], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._transports = transports
+        self._on_completion = on_completion
+        self._sessions: dict[str, Session] = {}
+        self._by_request: dict[str, str] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    @property
+    def available_transports(self) -> list[int]:
+        """Transport numbers (dpu.v1.Transport) sessions can use, preferred first."""
+        return sorted(self._transports)
+
+    def start(self) -> None:
+        """Start reaping orphaned sessions."""
+        self._reaper = asyncio.create_task(self._reap(), name="session-reaper")
+
+    async def stop(self) -> None:
+        """Close every session (agent shutdown)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await asyncio.gather(*(s.close("agent shutting down") for s in self._sessions.values()))
+        self._sessions.clear()
+
+    async def open(  # noqa: PLR0913 - the OpenSession fields
+        self,
+        *,
+        tenant: str,
+        transport: int,
+        queue_depth: int,
+        label: str,
+        host: PeerAddress | None,
+        request_id: str = "",
+    ) -> Session:
+        """Open a session and connect its data plane to the host."""
+        if request_id and request_id in self._by_request:
+            existing = self._sessions.get(self._by_request[request_id])
+            if existing is not None:
+                return existing
+        kind = self._choose_transport(transport, host)
+        if host is None:
+            raise InvalidArgument("host_endpoint is required")
+        depth = queue_depth or self.settings.default_queue_depth
+        if not 1 <= depth <= self.settings.max_queue_depth:
+            raise InvalidArgument(
+                f"queue_depth must be 1..{self.settings.max_queue_depth}, not {depth}"
+            )
+        if len(self._sessions) >= self.settings.max_sessions:
+            raise ResourceExhausted(
+                f"the agent serves at most {self.settings.max_sessions} sessions"
+            )
+        session_id = "s-" + secrets.token_hex(6)
+        session = Session(
+            session_id,
+            tenant=tenant,
+            label=label,
+            transport_kind=kind,
+            transport=self._transports[kind](),
+            settings=SessionSettings(
+                queue_depth=depth,
+                chunk_size=self.settings.chunk_size,
+                default_deadline=self.settings.default_deadline,
+            ),
+            on_completion=self._on_completion,
+        )
+        try:
+            await session.connect(host)
+        except TransportError as exc:
+            await session.transport.close()
+            raise Unavailable(f"cannot connect the data plane to the host: {exc}") from None
+        self._sessions[session_id] = session
+        if request_id:
+            self._by_request[request_id] = session_id
+        log.info(
+            "session opened",
+            extra={
+                "session": session.name,
+                "transport": kind,
+                "queue_depth": depth,
+                "label": label,
+            },
+        )
+        return session
+
+    def _choose_transport(self, requested: int, host: PeerAddress | None) -> int:
+        if requested == 0:
+            if isinstance(host, TcpAddress):
+                requested = TRANSPORT_TCP
+            elif isinstance(host, VerbsAddress):
+                requested = TRANSPORT_VERBS
+            else:
+                requested = min(self._transports)
+        if requested not in self._transports:
+            what = "verbs (no usable RDMA device)" if requested == TRANSPORT_VERBS else "tcp"
+            raise FailedPrecondition(f"transport {what} is not available on this agent")
+        want = VerbsAddress if requested == TRANSPORT_VERBS else TcpAddress
+        if host is not None and not isinstance(host, want):
+            raise InvalidArgument(
+                f"host_endpoint does not match the {want.__name__[:-7].lower()} transport"
+            )
+        return requested
+
+    def get(self, name: str) -> Session:
+        """The session with this resource name."""
+        (session_id,) = names.parse_name(name, "sessions")
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"{name} does not exist")
+        return session
+
+    def page(self, page_size: int, page_token: str) -> tuple[list[Session], str]:
+        """One page of sessions in name order, and the next page's token."""
+        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = decode_page_token(page_token)
+        ordered = sorted(
+            (s for s in self._sessions.values() if s.name > after), key=lambda s: s.name
+        )
+        page = ordered[:size]
+        next_token = encode_page_token(page[-1].name) if len(ordered) > size else ""
+        return page, next_token
+
+    async def close(self, name: str) -> None:
+        """Close and forget a session."""
+        session = self.get(name)
+        await session.close()
+        self._sessions.pop(session.session_id, None)
+        log.info("session closed", extra={"session": name})
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.orphan_timeout / 2))
+            now = time.monotonic()
+            for session in list(self._sessions.values()):
+                since = session.unwatched_since
+                if since is not None and now - since > self.settings.orphan_timeout:
+                    log.warning("closing orphaned session", extra={"session": session.name})
+                    await session.close("host gone: no watcher")
+                    self._sessions.pop(session.session_id, None)
+                elif session.state == SessionState.FAILED and since is not None:
+                    await session.close()
+                    self._sessions.pop(session.session_id, None)
+
+    def sessions(self) -> list[Session]:
+        """Every session."""
+        return list(self._sessions.values())
+
+
+def encode_page_token(last_name: str) -> str:
+    """Opaque token for the page after `last_name`."""
+    return base64.urlsafe_b64encode(last_name.encode()).decode()
+
+
+def decode_page_token(token: str) -> str:
+    """The last name of the previous page, or "" for the first page."""
+    if not token:
+        return ""
+    try:
+        return base64.urlsafe_b64decode(token.encode()).decode()
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArgument("page_token is not one this agent issued") from None

@@ -1,0 +1,405 @@
+"""A session: one host's data plane, its regions, its job queue and its completions.
+
+Jobs arrive two ways: as SUBMIT capsules on the data plane (the fast path, answered
+with a COMPLETION capsule) or through JobService.SubmitJob (the slow path). Either
+way a job finishes exactly once (`JobRecord.finish`), and every finished job is
+handed to the session's watchers (WatchCompletions streams) and event sinks.
+
+Job ids: the host picks ids below 2**63 for its capsules; the agent numbers the jobs
+it receives through gRPC from 2**63 up, so the two never collide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Final
+
+from dpu_agent import status
+from dpu_agent.dataplane.jobs import (
+    JobRecord,
+    JobRunner,
+    JobState,
+    Origin,
+    StagingPool,
+    check_spans,
+)
+from dpu_agent.dataplane.regions import RegionTable
+from dpu_agent.errors import AgentError, Cancelled, FailedPrecondition, NotFound, ResourceExhausted
+from dpu_wire import capsule
+from dpu_wire.capsule import CapsuleError, JobKind, Span, State
+from dpu_wire.transport.base import TransportError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+
+    from dpu_wire.transport.base import AgentTransport, PeerAddress
+
+log = logging.getLogger(__name__)
+
+GRPC_JOB_ID_BASE: Final = 1 << 63
+WATCHER_BACKLOG: Final = 65536
+
+
+class SessionState(enum.IntEnum):
+    """dpu.v1.SessionState numbers."""
+
+    CONNECTING = 1
+    ACTIVE = 2
+    CLOSING = 3
+    CLOSED = 4
+    FAILED = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSettings:
+    """Per-session limits and defaults."""
+
+    queue_depth: int = 32
+    chunk_size: int = 1 << 20
+    default_deadline: float = 60.0
+    retained: int = 1024
+
+
+@dataclasses.dataclass
+class SessionCounters:
+    """64-bit counters of one session."""
+
+    jobs_submitted: int = 0
+    jobs_completed: int = 0
+    jobs_failed: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class Watcher:
+    """One WatchCompletions stream: a queue of finished jobs, None at the end."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[JobRecord | None] = asyncio.Queue()
+        self.overflowed = False
+
+    def put(self, job: JobRecord | None) -> None:
+        """Queue a finished job (or the end marker); mark overflow instead of growing forever."""
+        if job is not None and self.queue.qsize() >= WATCHER_BACKLOG:
+            self.overflowed = True
+            return
+        self.queue.put_nowait(job)
+
+
+class Session:
+    """The agent side of one host session."""
+
+    def __init__(  # noqa: PLR0913 - the session's identity and its parts
+        self,
+        session_id: str,
+        *,
+        tenant: str,
+        label: str,
+        transport_kind: int,
+        transport: AgentTransport,
+        settings: SessionSettings,
+        on_completion: Callable[[Session, JobRecord], None] | None = None,
+    ) -> None:
+        self.session_id = session_id
+        self.name = f"sessions/{session_id}"
+        self.tenant = tenant
+        self.label = label
+        self.transport_kind = transport_kind
+        self.transport = transport
+        self.settings = settings
+        self.state = SessionState.CONNECTING
+        self.error: tuple[int, str] | None = None
+        self.create_ns = time.time_ns()
+        self.regions = RegionTable()
+        self.counters = SessionCounters()
+        self._on_completion = on_completion
+        self._open: dict[int, JobRecord] = {}
+        self._retained: collections.OrderedDict[int, JobRecord] = collections.OrderedDict()
+        self._by_request: dict[str, int] = {}
+        self._slots = asyncio.Semaphore(settings.queue_depth)
+        self._grpc_ids = itertools.count(GRPC_JOB_ID_BASE)
+        self._watchers: set[Watcher] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pool: StagingPool | None = None
+        self._runner: JobRunner | None = None
+        self._capsule_task: asyncio.Task[None] | None = None
+        self.unwatched_since: float | None = time.monotonic()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def connect(self, host: PeerAddress) -> None:
+        """Connect the data plane to the host and start taking capsules."""
+        await self.transport.connect(host)
+        self._pool = StagingPool(
+            self.transport, self.settings.chunk_size, self.settings.queue_depth
+        )
+        self._runner = JobRunner(self.transport, self._pool)
+        self._capsule_task = asyncio.create_task(self._capsule_loop(), name=f"{self.name}/capsules")
+        self.state = SessionState.ACTIVE
+
+    async def close(self, reason: str = "session closed") -> None:
+        """Cancel open jobs, destroy the data plane, forget regions. Idempotent."""
+        if self.state in (SessionState.CLOSING, SessionState.CLOSED):
+            return
+        failed = self.state == SessionState.FAILED
+        self.state = SessionState.CLOSING
+        await self._shutdown(State.CANCELLED, status.CANCELLED, reason)
+        self.state = SessionState.FAILED if failed else SessionState.CLOSED
+
+    async def _fail(self, exc: BaseException) -> None:
+        if self.state not in (SessionState.ACTIVE, SessionState.CONNECTING):
+            return
+        message = f"data plane failed: {exc}"
+        log.warning("session failed", extra={"session": self.name, "error": str(exc)})
+        self.state = SessionState.FAILED
+        self.error = (status.UNAVAILABLE, message)
+        await self._shutdown(State.FAILED, status.UNAVAILABLE, message)
+
+    async def _shutdown(self, state: State, code: int, reason: str) -> None:
+        for job in list(self._open.values()):
+            job.cancel_requested = True
+            completion = job.finish(state, code, reason)
+            if completion is not None:
+                self._publish(job)
+        await self.transport.close()  # pending RDMA ops fail, so job tasks end
+        current = asyncio.current_task()
+        tasks = [
+            t for t in (*self._tasks, self._capsule_task) if t is not None and t is not current
+        ]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._pool is not None:
+            self._pool.close()
+        for watcher in self._watchers:
+            watcher.put(None)
+        self.regions = RegionTable()
+
+    @property
+    def active(self) -> bool:
+        """Whether the session takes jobs."""
+        return self.state == SessionState.ACTIVE
+
+    def _require_active(self) -> None:
+        if not self.active:
+            detail = f": {self.error[1]}" if self.error else ""
+            raise FailedPrecondition(f"{self.name} is {self.state.name}{detail}")
+
+    # ------------------------------------------------------------------ jobs
+    @property
+    def queue_depth(self) -> int:
+        """Maximum number of open jobs."""
+        return self.settings.queue_depth
+
+    @property
+    def open_jobs(self) -> int:
+        """Jobs admitted and not finished."""
+        return len(self._open)
+
+    async def submit(  # noqa: PLR0913 - a job's fields
+        self,
+        kind: JobKind,
+        source: Span,
+        destination: Span,
+        *,
+        deadline: float = 0.0,
+        request_id: str = "",
+        wait_for_slot: bool = False,
+    ) -> JobRecord:
+        """Queue a job from the gRPC path (idempotent on request_id)."""
+        self._require_active()
+        if request_id and request_id in self._by_request:
+            return self.job(self._by_request[request_id])
+        job = JobRecord(
+            job_id=next(self._grpc_ids),
+            kind=kind,
+            source=source,
+            destination=destination,
+            origin=Origin.GRPC,
+            deadline=time.monotonic() + (deadline or self.settings.default_deadline),
+            request_id=request_id,
+        )
+        check_spans(job, self.regions)
+        if self._slots.locked() and not wait_for_slot:
+            raise ResourceExhausted(
+                f"{self.name}: all {self.queue_depth} queue slots are in use; "
+                "retry, or set wait_for_slot"
+            )
+        await self._slots.acquire()
+        self._require_active()
+        if request_id:
+            self._by_request[request_id] = job.job_id
+        self._start(job)
+        return job
+
+    def job(self, job_id: int) -> JobRecord:
+        """An open or retained job."""
+        job = self._open.get(job_id) or self._retained.get(job_id)
+        if job is None:
+            raise NotFound(f"{self.name}/jobs/{job_id} does not exist (or is no longer retained)")
+        return job
+
+    def jobs(self) -> list[JobRecord]:
+        """Open and retained jobs, by id."""
+        return sorted([*self._open.values(), *self._retained.values()], key=lambda j: j.job_id)
+
+    def cancel(self, job_id: int) -> JobRecord:
+        """Ask a job to stop; it completes CANCELLED unless it finishes first."""
+        job = self.job(job_id)
+        job.cancel_requested = True
+        return job
+
+    def _start(self, job: JobRecord) -> None:
+        self._open[job.job_id] = job
+        self.counters.jobs_submitted += 1
+        task = asyncio.create_task(self._execute(job), name=f"{self.name}/jobs/{job.job_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, job: JobRecord) -> None:
+        assert self._runner is not None  # noqa: S101 - set by connect()
+        try:
+            if job.cancel_requested:
+                raise Cancelled("cancelled before it started")  # noqa: TRY301
+            job.start()
+            await self._runner.run(job)
+            job.finish(State.SUCCEEDED)
+        except Cancelled as exc:
+            job.finish(State.CANCELLED, status.CANCELLED, str(exc))
+        except AgentError as exc:
+            job.finish(State.FAILED, status.code_for(exc), str(exc))
+        except TransportError as exc:
+            job.finish(State.FAILED, status.UNAVAILABLE, f"data plane failed: {exc}")
+            self._spawn(self._fail(exc))
+        except asyncio.CancelledError:
+            job.finish(State.CANCELLED, status.CANCELLED, "session closed")
+            raise
+        except Exception:
+            log.exception("job failed unexpectedly", extra={"job": job.job_id})
+            job.finish(State.FAILED, status.code_for(RuntimeError()), "internal error")
+        finally:
+            self._slots.release()
+            await self._deliver(job)
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _deliver(self, job: JobRecord) -> None:
+        """Publish a finished job and, for capsule jobs, SEND its completion."""
+        if self._open.get(job.job_id) is not job:
+            return  # already delivered by _shutdown
+        self._publish(job)
+        completion = job.completion
+        if job.origin == Origin.CAPSULE and completion is not None and self.active:
+            try:
+                await self.transport.send(completion.encode())
+            except TransportError as exc:
+                await self._fail(exc)
+
+    def _publish(self, job: JobRecord) -> None:
+        self._open.pop(job.job_id, None)
+        self._retained[job.job_id] = job
+        while len(self._retained) > self.settings.retained:
+            old_id, old = self._retained.popitem(last=False)
+            if old.request_id and self._by_request.get(old.request_id) == old_id:
+                del self._by_request[old.request_id]
+        counters = self.counters
+        if job.state == JobState.SUCCEEDED:
+            counters.jobs_completed += 1
+        else:
+            counters.jobs_failed += 1
+        counters.bytes_read += job.progress.bytes_read
+        counters.bytes_written += job.progress.bytes_written
+        for watcher in self._watchers:
+            watcher.put(job)
+        if self._on_completion is not None:
+            self._on_completion(self, job)
+
+    # ------------------------------------------------------------------ capsules
+    async def _capsule_loop(self) -> None:
+        try:
+            while True:
+                data = await self.transport.recv()
+                try:
+                    message = capsule.decode(data)
+                except CapsuleError as exc:
+                    await self._reject(exc.job_id, status.INVALID_ARGUMENT, f"bad capsule: {exc}")
+                    continue
+                if isinstance(message, capsule.Submit):
+                    await self._on_submit(message)
+                elif isinstance(message, capsule.Cancel):
+                    if message.job_id in self._open:
+                        self._open[message.job_id].cancel_requested = True
+                else:
+                    await self._reject(
+                        message.job_id,
+                        status.INVALID_ARGUMENT,
+                        "bad capsule: hosts do not send COMPLETION",
+                    )
+        except TransportError as exc:
+            await self._fail(exc)
+
+    async def _reject(self, job_id: int, code: int, message: str) -> None:
+        """Answer a capsule that does not make a job (undecodable, duplicate id)."""
+        reply = capsule.Completion(job_id=job_id, state=State.FAILED, status=code, message=message)
+        await self.transport.send(reply.encode())
+
+    async def _on_submit(self, sub: capsule.Submit) -> None:
+        if sub.job_id >= GRPC_JOB_ID_BASE:
+            await self._reject(
+                sub.job_id, status.INVALID_ARGUMENT, "job ids >= 2**63 are the agent's"
+            )
+            return
+        if sub.job_id in self._open:
+            await self._reject(
+                sub.job_id, status.INVALID_ARGUMENT, f"job id {sub.job_id} is in use"
+            )
+            return
+        deadline = sub.deadline_ms / 1000 if sub.deadline_ms else self.settings.default_deadline
+        job = JobRecord(
+            job_id=sub.job_id,
+            kind=sub.kind,
+            source=sub.source,
+            destination=sub.destination,
+            origin=Origin.CAPSULE,
+            deadline=time.monotonic() + deadline,
+        )
+        try:
+            check_spans(job, self.regions)
+            if self._slots.locked():
+                raise ResourceExhausted(
+                    f"all {self.queue_depth} queue slots are in use (the host exceeded its credits)"
+                )
+        except AgentError as exc:
+            self._open[job.job_id] = job
+            job.finish(State.FAILED, status.code_for(exc), str(exc))
+            await self._deliver(job)
+            return
+        await self._slots.acquire()
+        self._start(job)
+
+    # ------------------------------------------------------------------ watchers
+    def watch(self, *, include_retained: bool) -> Watcher:
+        """A new watcher of finished jobs (ended at once if the session is over)."""
+        watcher = Watcher()
+        if include_retained:
+            for job in self._retained.values():
+                watcher.put(job)
+        if not self.active:
+            watcher.put(None)
+        self._watchers.add(watcher)
+        self.unwatched_since = None
+        return watcher
+
+    def unwatch(self, watcher: Watcher) -> None:
+        """Forget a watcher; with none left, the orphan clock starts."""
+        self._watchers.discard(watcher)
+        if not self._watchers:
+            self.unwatched_since = time.monotonic()
