@@ -133,8 +133,16 @@ ln -sf /proc/self/fd "$R/dev/fd"
 ln -sf /proc/self/fd/0 "$R/dev/stdin"
 ln -sf /proc/self/fd/1 "$R/dev/stdout"
 ln -sf /proc/self/fd/2 "$R/dev/stderr"
+# The checkout may live under /tmp or /run (a CI clone), which the tmpfs mounts below
+# would hide: keep a bind of it and put it back on top afterwards.
+mkdir -p /keep
+mount -o bind "$R$TESTVM_CHECKOUT" /keep || die "cannot bind the checkout $TESTVM_CHECKOUT"
 mount -t tmpfs -o mode=1777 tmpfs "$R/tmp" || die "cannot mount /tmp"
 mount -t tmpfs -o mode=0755 tmpfs "$R/run" || die "cannot mount /run"
+if [ ! -d "$R$TESTVM_CHECKOUT" ]; then
+    mkdir -p "$R$TESTVM_CHECKOUT" && mount -o bind /keep "$R$TESTVM_CHECKOUT" \
+        || die "cannot restore the checkout at $TESTVM_CHECKOUT"
+fi
 mkdir -p "$R/run/testvm"
 mount -o bind /ctl "$R/run/testvm" || die "cannot bind the control share"
 mount9p testvm_out "$R$TESTVM_OUT" cache=none || die "cannot mount the output share at $TESTVM_OUT"
@@ -662,7 +670,12 @@ def write_control(ctl: Path, kc: KernelCache, opts: VMOptions) -> None:
     """Write the files the guest reads from the control share."""
     term = os.environ.get("TERM", "vt100") if opts.command is None else "dumb"
     config = quote_env(
-        [("TESTVM_OUT", str(OUT_DIR)), ("TESTVM_PATH", GUEST_PATH), ("TESTVM_TERM", term)]
+        [
+            ("TESTVM_CHECKOUT", str(CHECKOUT)),
+            ("TESTVM_OUT", str(OUT_DIR)),
+            ("TESTVM_PATH", GUEST_PATH),
+            ("TESTVM_TERM", term),
+        ]
     )
     (ctl / "config.sh").write_text(config)
     (ctl / "stage2.sh").write_text(stage2_script(kc, opts))
