@@ -11,6 +11,16 @@ Example file (every key optional):
     level = "info"                # debug, info, warning, error
     format = "json"               # json, text
 
+    [dataplane]
+    transports = "auto"           # auto (verbs if an RDMA port is ACTIVE, and tcp), or a
+                                  # comma list of verbs, tcp
+    rdma_device = ""              # "" = the first device with an ACTIVE port
+    poll_mode = "event"           # event (completion channel) or busy (poll the CQ)
+    queue_depth = 32              # default jobs in flight per session (1-1024)
+    max_sessions = 64
+    orphan_timeout = 10.0         # seconds a session lives with no host watching it
+    chunk_size = 1048576          # bytes moved per RDMA op and staging buffer
+
 Each key has an environment variable that overrides the file, e.g.
 `DPU_AGENT_LISTEN=0.0.0.0:50051`; `dpu-agent serve --help` lists them.
 """
@@ -50,6 +60,13 @@ class AgentConfig:
     grace_period: float = 10.0
     log_level: str = "info"
     log_format: str = "json"
+    transports: str = "auto"
+    rdma_device: str = ""
+    poll_mode: str = "event"
+    queue_depth: int = 32
+    max_sessions: int = 64
+    orphan_timeout: float = 10.0
+    chunk_size: int = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +108,34 @@ def _seconds(value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 3600:
         raise ConfigError(f"{where}: expected seconds between 0 and 3600, got {value!r}")
     return float(value)
+
+
+def _transports(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {type(value).__name__}")
+    items = [v.strip().lower() for v in value.split(",") if v.strip()]
+    if items == ["auto"]:
+        return "auto"
+    if not items or any(v not in {"verbs", "tcp"} for v in items):
+        raise ConfigError(f"{where}: expected auto or a comma list of verbs, tcp; got {value!r}")
+    return ",".join(dict.fromkeys(items))
+
+
+def _text(value: object, where: str) -> str:
+    if not isinstance(value, str) or len(value) > 64:
+        raise ConfigError(f"{where}: expected a string of at most 64 characters")
+    return value
+
+
+def _integer(low: int, high: int) -> Callable[[object, str], int]:
+    def parse(value: object, where: str) -> int:
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"{where}: expected an integer from {low} to {high}, got {value!r}")
+        return value
+
+    return parse
 
 
 def _choice(*allowed: str) -> Callable[[object, str], str]:

@@ -47,10 +47,9 @@ class _Rpc:
         self.rid = _request_id(context)
         self.code = grpc.StatusCode.OK
         self.start = time.perf_counter()
-        self._tokens = (
-            request_context.request_id.set(self.rid),
-            request_context.rpc_method.set(method),
-        )
+        # Each RPC runs in its own task (its own context copy): no reset needed.
+        request_context.request_id.set(self.rid)
+        request_context.rpc_method.set(method)
         context.set_trailing_metadata(((REQUEST_ID_METADATA_KEY, self.rid),))
 
     async def fail(self, exc: Exception) -> NoReturn:
@@ -63,7 +62,7 @@ class _Rpc:
         await self.context.abort(self.code, f"internal error (request id {self.rid})")
 
     def finish(self) -> None:
-        """Write the access-log line and restore the context variables."""
+        """Write the access-log line."""
         code = self.context.code() if self.code == grpc.StatusCode.OK else self.code
         log.info(
             "rpc",
@@ -73,8 +72,6 @@ class _Rpc:
                 "ms": round((time.perf_counter() - self.start) * 1000, 3),
             },
         )
-        request_context.request_id.reset(self._tokens[0])
-        request_context.rpc_method.reset(self._tokens[1])
 
 
 @dataclasses.dataclass(frozen=True)

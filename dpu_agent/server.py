@@ -7,6 +7,7 @@ import dataclasses
 import ipaddress
 import logging
 import signal
+import time
 from typing import TYPE_CHECKING, Any, Final
 
 import grpc
@@ -15,15 +16,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dpu_agent import __version__, platform
+from dpu_agent.dataplane import transports
+from dpu_agent.dataplane.manager import ManagerSettings, SessionManager
 from dpu_agent.interceptor import RpcInterceptor
 from dpu_agent.services.agent_info import AgentInfoService
+from dpu_agent.services.jobs import JobService
+from dpu_agent.services.sessions import SessionService
 from dpu_agent.services.unimplemented import unimplemented_handler
 from dpu_wire.v1 import (
     agent_pb2,
     agent_pb2_grpc,
     job_pb2,
+    job_pb2_grpc,
     network_pb2,
     session_pb2,
+    session_pb2_grpc,
     storage_pb2,
     virtualization_pb2,
 )
@@ -49,14 +56,6 @@ class PlannedService:
 
 PLANNED_SERVICES: Final = (
     PlannedService(
-        session_pb2.DESCRIPTOR.services_by_name["SessionService"],
-        "sessions and the RDMA data plane are not in this version yet",
-    ),
-    PlannedService(
-        job_pb2.DESCRIPTOR.services_by_name["JobService"],
-        "jobs need sessions, which are not in this version yet",
-    ),
-    PlannedService(
         storage_pb2.DESCRIPTOR.services_by_name["StorageService"],
         "storage offload is not in this version yet",
     ),
@@ -70,7 +69,11 @@ PLANNED_SERVICES: Final = (
     ),
 )
 
-SERVED_SERVICES: Final = (agent_pb2.DESCRIPTOR.services_by_name["AgentService"],)
+SERVED_SERVICES: Final = (
+    agent_pb2.DESCRIPTOR.services_by_name["AgentService"],
+    session_pb2.DESCRIPTOR.services_by_name["SessionService"],
+    job_pb2.DESCRIPTOR.services_by_name["JobService"],
+)
 
 
 def capabilities() -> list[agent_pb2.Capability]:
@@ -107,6 +110,7 @@ class AgentServer:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.port = 0
+        self.sessions: SessionManager | None = None
 
     @property
     def address(self) -> str:
@@ -120,6 +124,16 @@ class AgentServer:
         start_time = timestamp_pb2.Timestamp()
         start_time.GetCurrentTime()
         devices = await asyncio.to_thread(platform.rdma_devices)
+        cfg = self.config
+        self.sessions = SessionManager(
+            ManagerSettings(
+                max_sessions=cfg.max_sessions,
+                default_queue_depth=cfg.queue_depth,
+                orphan_timeout=cfg.orphan_timeout,
+                chunk_size=cfg.chunk_size,
+            ),
+            transports.factories(cfg, devices),
+        )
         server = grpc.aio.server(
             interceptors=[RpcInterceptor()],
             options=[
@@ -129,8 +143,17 @@ class AgentServer:
             ],
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentInfoService(self.config.agent_id, start_time, capabilities(), devices), server
+            AgentInfoService(
+                self.config.agent_id,
+                start_time,
+                capabilities(),
+                devices,
+                self.sessions.available_transports,
+            ),
+            server,
         )
+        session_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(self.sessions), server)
+        job_pb2_grpc.add_JobServiceServicer_to_server(JobService(self.sessions), server)
         handlers = [unimplemented_handler(p.descriptor, p.reason) for p in PLANNED_SERVICES]
         server.add_generic_rpc_handlers([*handlers, *self._extra_handlers])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -150,6 +173,7 @@ class AgentServer:
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {self.config.listen}: {exc}") from None
         await server.start()
+        self.sessions.start()
         self._server = server
         for name in (*[s.full_name for s in SERVED_SERVICES], health.OVERALL_HEALTH):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -167,7 +191,11 @@ class AgentServer:
         grace = self.config.grace_period if grace is None else grace
         await self._health.enter_graceful_shutdown()
         log.info("draining", extra={"grace_s": grace})
-        await server.stop(grace)
+        started = time.monotonic()
+        if self.sessions is not None:
+            await self.sessions.drain(grace)
+            await self.sessions.stop()
+        await server.stop(max(0.0, grace - (time.monotonic() - started)))
         log.info("stopped")
 
 

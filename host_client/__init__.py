@@ -14,6 +14,7 @@ asyncio.run(main())
 from importlib import metadata as _metadata
 
 from host_client._client import DEFAULT_TARGET, Client, Stubs, default_target
+from host_client._completion import Completion
 from host_client._errors import (
     AlreadyExistsError,
     CancelledError,
@@ -28,6 +29,7 @@ from host_client._errors import (
     UnavailableError,
     UnimplementedError,
 )
+from host_client._session import Buffer, BufferRef, Job, Session
 from host_client._sync import SyncClient
 
 try:
@@ -38,16 +40,21 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a bare
 __all__ = [
     "DEFAULT_TARGET",
     "AlreadyExistsError",
+    "Buffer",
+    "BufferRef",
     "CancelledError",
     "Client",
+    "Completion",
     "DeadlineExceededError",
     "DpuError",
     "FailedPreconditionError",
     "InternalError",
     "InvalidArgumentError",
+    "Job",
     "NotFoundError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
+    "Session",
     "Stubs",
     "SyncClient",
     "UnavailableError",

@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dpu_wire import REQUEST_ID_METADATA_KEY
+from dpu_wire.transport.base import TransportError
+from dpu_wire.transport.tcp import TcpHostTransport
 from dpu_wire.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -21,14 +23,24 @@ from dpu_wire.v1 import (
     storage_pb2_grpc,
     virtualization_pb2_grpc,
 )
-from host_client._errors import NotFoundError, UnavailableError, from_rpc_error
+from host_client._errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+    from_rpc_error,
+)
+from host_client._session import TRANSPORT_NUMBERS, Session
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
     from types import TracebackType
 
+    from dpu_wire.transport.base import HostTransport
+
 _R = TypeVar("_R")
 
+MAX_QUEUE_DEPTH: Final = 1024
 DEFAULT_TARGET: Final = "127.0.0.1:50051"
 TARGET_ENV: Final = "DPU_TARGET"
 
@@ -141,6 +153,41 @@ class Client:
             return "SERVICE_UNKNOWN"
         return _HEALTH_STATES.get(response.status, str(response.status))
 
+    async def open_session(
+        self,
+        *,
+        transport: str = "auto",
+        queue_depth: int = 32,
+        label: str = "",
+        data_host: str = "127.0.0.1",
+        rdma_device: str | None = None,
+    ) -> Session:
+        """Open a data-plane session; use it as `async with await client.open_session():`.
+
+        `transport`: "verbs" (RDMA RC queue pair), "tcp" (a socket the agent dials
+        back to at `data_host`), or "auto" (verbs when both this host and the agent
+        have an RDMA device, else tcp). `queue_depth` bounds the jobs in flight.
+        """
+        if transport not in TRANSPORT_NUMBERS:
+            choices = ", ".join(TRANSPORT_NUMBERS)
+            raise InvalidArgumentError("INVALID_ARGUMENT", f"transport must be one of {choices}")
+        if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+            raise InvalidArgumentError(
+                "INVALID_ARGUMENT", f"queue_depth must be 1..{MAX_QUEUE_DEPTH}, not {queue_depth}"
+            )
+        if transport == "auto":
+            offered = set((await self.agent_info()).transports)
+            verbs = TRANSPORT_NUMBERS["verbs"] in offered and _local_rdma(rdma_device)
+            transport = "verbs" if verbs else "tcp"
+        host = _host_transport(transport, data_host, rdma_device, queue_depth)
+        session = Session(self, host, queue_depth)
+        try:
+            await session._open(TRANSPORT_NUMBERS[transport], label)  # noqa: SLF001
+        except BaseException:
+            await host.close()
+            raise
+        return session
+
     async def _call(
         self,
         method: Callable[..., Awaitable[_R]],
@@ -157,6 +204,35 @@ class Client:
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, rid) from None
+
+
+def _local_rdma(device: str | None) -> bool:
+    try:
+        from dpu_wire.transport import verbs  # noqa: PLC0415 - needs pyverbs
+    except ImportError:
+        return False
+    try:
+        verbs.find_port(device)
+    except TransportError:
+        return False
+    return True
+
+
+def _host_transport(
+    transport: str, data_host: str, rdma_device: str | None, queue_depth: int
+) -> HostTransport:
+    if transport == "tcp":
+        return TcpHostTransport(data_host)
+    try:
+        from dpu_wire.transport.verbs import VerbsHostTransport  # noqa: PLC0415
+    except ImportError as exc:
+        raise FailedPreconditionError(
+            "FAILED_PRECONDITION", f"the verbs transport needs pyverbs: {exc}"
+        ) from None
+    try:
+        return VerbsHostTransport(device=rdma_device, queue_depth=queue_depth)
+    except TransportError as exc:
+        raise FailedPreconditionError("FAILED_PRECONDITION", str(exc)) from None
 
 
 async def _with_timeout(awaitable: Awaitable[None], timeout: float) -> None:  # noqa: ASYNC109

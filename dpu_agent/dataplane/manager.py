@@ -60,7 +60,7 @@ class SessionManager:
     def __init__(
         self,
         settings: ManagerSettings,
-        transports: dict[int, Callable[[], AgentTransport]],
+        transports: dict[int, Callable[[int], AgentTransport]],
         on_completion: Callable[[Session, JobRecord], None] | None = None,
     ) -> None:
         self.settings = settings
@@ -69,6 +69,7 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._by_request: dict[str, str] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._draining = False
 
     @property
     def available_transports(self) -> list[int]:
@@ -78,6 +79,17 @@ class SessionManager:
     def start(self) -> None:
         """Start reaping orphaned sessions."""
         self._reaper = asyncio.create_task(self._reap(), name="session-reaper")
+
+    async def drain(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Take no new sessions or jobs; wait up to `timeout` s for open jobs to finish."""
+        self._draining = True
+        for session in self._sessions.values():
+            session.accepting = False
+        idle = asyncio.gather(*(s.wait_idle() for s in self._sessions.values()))
+        try:
+            await asyncio.wait_for(idle, timeout)
+        except TimeoutError:
+            log.warning("jobs still open after the grace period; cancelling them")
 
     async def stop(self) -> None:
         """Close every session (agent shutdown)."""
@@ -99,6 +111,8 @@ class SessionManager:
         request_id: str = "",
     ) -> Session:
         """Open a session and connect its data plane to the host."""
+        if self._draining:
+            raise Unavailable("the agent is shutting down and opens no sessions")
         if request_id and request_id in self._by_request:
             existing = self._sessions.get(self._by_request[request_id])
             if existing is not None:
@@ -121,7 +135,7 @@ class SessionManager:
             tenant=tenant,
             label=label,
             transport_kind=kind,
-            transport=self._transports[kind](),
+            transport=self._transports[kind](depth),
             settings=SessionSettings(
                 queue_depth=depth,
                 chunk_size=self.settings.chunk_size,

@@ -30,7 +30,14 @@ from dpu_agent.dataplane.jobs import (
     check_spans,
 )
 from dpu_agent.dataplane.regions import RegionTable
-from dpu_agent.errors import AgentError, Cancelled, FailedPrecondition, NotFound, ResourceExhausted
+from dpu_agent.errors import (
+    AgentError,
+    Cancelled,
+    FailedPrecondition,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from dpu_wire import capsule
 from dpu_wire.capsule import CapsuleError, JobKind, Span, State
 from dpu_wire.transport.base import TransportError
@@ -130,6 +137,9 @@ class Session:
         self._runner: JobRunner | None = None
         self._capsule_task: asyncio.Task[None] | None = None
         self.unwatched_since: float | None = time.monotonic()
+        self.accepting = True  # False while the agent drains for shutdown
+        self._idle = asyncio.Event()  # set while no job is open
+        self._idle.set()
 
     # ------------------------------------------------------------------ lifecycle
     async def connect(self, host: PeerAddress) -> None:
@@ -189,6 +199,8 @@ class Session:
         if not self.active:
             detail = f": {self.error[1]}" if self.error else ""
             raise FailedPrecondition(f"{self.name} is {self.state.name}{detail}")
+        if not self.accepting:
+            raise Unavailable("the agent is shutting down and takes no new jobs")
 
     # ------------------------------------------------------------------ jobs
     @property
@@ -254,7 +266,12 @@ class Session:
         job.cancel_requested = True
         return job
 
+    async def wait_idle(self) -> None:
+        """Wait until no job is open."""
+        await self._idle.wait()
+
     def _start(self, job: JobRecord) -> None:
+        self._idle.clear()
         self._open[job.job_id] = job
         self.counters.jobs_submitted += 1
         task = asyncio.create_task(self._execute(job), name=f"{self.name}/jobs/{job.job_id}")
@@ -305,6 +322,8 @@ class Session:
 
     def _publish(self, job: JobRecord) -> None:
         self._open.pop(job.job_id, None)
+        if not self._open:
+            self._idle.set()
         self._retained[job.job_id] = job
         while len(self._retained) > self.settings.retained:
             old_id, old = self._retained.popitem(last=False)
@@ -372,6 +391,7 @@ class Session:
             deadline=time.monotonic() + deadline,
         )
         try:
+            self._require_active()
             check_spans(job, self.regions)
             if self._slots.locked():
                 raise ResourceExhausted(

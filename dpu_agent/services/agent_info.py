@@ -26,6 +26,7 @@ class AgentInfoService(agent_pb2_grpc.AgentServiceServicer):
         start_time: timestamp_pb2.Timestamp,
         capabilities: Iterable[agent_pb2.Capability],
         devices: Iterable[platform.RdmaDeviceInfo],
+        transports: Iterable[int],
     ) -> None:
         uname = os.uname()
         self._info = agent_pb2.AgentInfo(
@@ -54,12 +55,13 @@ class AgentInfoService(agent_pb2_grpc.AgentServiceServicer):
                 for d in devices
             ],
             capabilities=list(capabilities),
+            transports=list(transports),  # type: ignore[arg-type]
         )
 
-    async def GetAgentInfo(  # noqa: N802 - gRPC method name
+    async def GetAgentInfo(
         self,
-        request: agent_pb2.GetAgentInfoRequest,  # noqa: ARG002
-        context: grpc.aio.ServicerContext[Any, Any],  # noqa: ARG002
+        request: agent_pb2.GetAgentInfoRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> agent_pb2.AgentInfo:
         """Return the agent's identity and capabilities."""
         return self._info

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 import host_client
-from dpu_wire.v1 import job_pb2, job_pb2_grpc, network_pb2, session_pb2, storage_pb2
+from dpu_wire.v1 import agent_pb2, job_pb2, job_pb2_grpc, network_pb2, session_pb2, storage_pb2
 
 pytestmark = pytest.mark.asyncio
 
@@ -22,10 +22,10 @@ async def test_agent_info_describes_the_agent(agent):
     assert info.kernel == os.uname().release
     assert info.start_time.seconds > 0
     services = {c.service: c for c in info.capabilities}
-    assert services["dpu.v1.AgentService"].available
+    for name in ("AgentService", "SessionService", "JobService"):
+        assert services[f"dpu.v1.{name}"].available
+    assert list(info.transports) == [agent_pb2.TRANSPORT_TCP]  # no RDMA device on the host
     for name in (
-        "SessionService",
-        "JobService",
         "StorageService",
         "NetworkService",
         "VirtualizationService",
@@ -55,15 +55,15 @@ async def test_planned_services_answer_unimplemented_with_a_reason(agent):
             await client._call(stubs.network.ListPorts, network_pb2.ListPortsRequest())
 
 
-async def test_streaming_rpc_of_planned_service_is_unimplemented(agent):
+async def test_streaming_rpc_errors_map_like_unary_ones(agent):
     async with grpc.aio.insecure_channel(agent.address) as channel:
         stub = job_pb2_grpc.JobServiceStub(channel)
-        call = stub.WatchCompletions(job_pb2.WatchCompletionsRequest(session="sessions/s1"))
+        call = stub.WatchCompletions(job_pb2.WatchCompletionsRequest(session="sessions/nope"))
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in call:
                 pass
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "WatchCompletions" in (info.value.details() or "")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "sessions/nope does not exist" in (info.value.details() or "")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,137 @@
+"""Conversions between dpu.v1 messages and the agent's domain objects."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from google.protobuf import timestamp_pb2
+
+from dpu_agent.errors import InvalidArgument
+from dpu_wire import endpoints
+from dpu_wire.capsule import State
+from dpu_wire.transport.base import Access, PeerAddress, TcpAddress, VerbsAddress
+from dpu_wire.v1 import common_pb2, job_pb2, session_pb2
+
+if TYPE_CHECKING:
+    from dpu_agent.dataplane.jobs import JobRecord
+    from dpu_agent.dataplane.regions import AdvertisedRegion
+    from dpu_agent.dataplane.session import Session
+
+GID_BYTES = 16
+VERBS_MTUS = (256, 512, 1024, 2048, 4096)
+
+
+def timestamp(ns: int) -> timestamp_pb2.Timestamp:
+    """A protobuf Timestamp from nanoseconds since the epoch (unset when 0)."""
+    ts = timestamp_pb2.Timestamp()
+    if ns:
+        ts.FromNanoseconds(ns)
+    return ts
+
+
+def peer_address(endpoint: session_pb2.Endpoint) -> PeerAddress | None:
+    """The host's data-plane address from OpenSession, checked."""
+    address = endpoints.from_proto(endpoint)
+    if isinstance(address, TcpAddress):
+        if not address.host or not 0 < address.port < 65536:
+            raise InvalidArgument("host_endpoint.tcp: host and a port 1..65535 are required")
+    elif isinstance(address, VerbsAddress):
+        if len(address.gid) != GID_BYTES:
+            raise InvalidArgument(f"host_endpoint.verbs.gid must be {GID_BYTES} bytes")
+        if not 0 < address.qp_num < 1 << 24 or address.psn >= 1 << 24:
+            raise InvalidArgument("host_endpoint.verbs: qp_num and psn are 24-bit numbers")
+        if address.mtu not in VERBS_MTUS:
+            raise InvalidArgument(f"host_endpoint.verbs.mtu must be one of {VERBS_MTUS}")
+    return address
+
+
+def session(s: Session) -> session_pb2.Session:
+    """The proto form of a session."""
+    c = s.counters
+    message = session_pb2.Session(
+        name=s.name,
+        tenant=s.tenant,
+        transport=s.transport_kind,  # type: ignore[arg-type]
+        state=int(s.state),  # type: ignore[arg-type]
+        queue_depth=s.queue_depth,
+        client_label=s.label,
+        agent_endpoint=endpoints.to_proto(s.transport.address),
+        times=common_pb2.ResourceTimes(create_time=timestamp(s.create_ns)),
+        counters=session_pb2.SessionCounters(
+            jobs_submitted=c.jobs_submitted,
+            jobs_completed=c.jobs_completed,
+            jobs_failed=c.jobs_failed,
+            bytes_read=c.bytes_read,
+            bytes_written=c.bytes_written,
+            regions=len(s.regions),
+        ),
+    )
+    if s.error is not None:
+        message.error.code, message.error.message = s.error
+    return message
+
+
+ACCESS_FROM_PROTO = {
+    session_pb2.REGION_ACCESS_REMOTE_READ: Access.REMOTE_READ,
+    session_pb2.REGION_ACCESS_REMOTE_WRITE: Access.REMOTE_WRITE,
+}
+
+
+def access(values: list[int]) -> Access:
+    """Access flags from the repeated RegionAccess field."""
+    result = Access.NONE
+    for value in values:
+        if value not in ACCESS_FROM_PROTO:
+            raise InvalidArgument("region access must be REMOTE_READ and/or REMOTE_WRITE")
+        result |= ACCESS_FROM_PROTO[value]  # type: ignore[index]
+    return result
+
+
+def region(s: Session, r: AdvertisedRegion) -> session_pb2.MemoryRegion:
+    """The proto form of an advertised region."""
+    flags = [p for p, a in ACCESS_FROM_PROTO.items() if r.access & a]
+    return session_pb2.MemoryRegion(
+        name=f"{s.name}/regions/{r.region_id}",
+        addr=r.addr,
+        length=r.length,
+        rkey=r.rkey,
+        access=flags,
+    )
+
+
+def completion(s: Session, job: JobRecord) -> job_pb2.Completion:
+    """The proto form of a finished job's completion."""
+    c = job.completion
+    if c is None:
+        return job_pb2.Completion(job=f"{s.name}/jobs/{job.job_id}", job_id=job.job_id)
+    message = job_pb2.Completion(
+        job=f"{s.name}/jobs/{job.job_id}",
+        job_id=job.job_id,
+        state=int(c.state),  # type: ignore[arg-type]
+        status=common_pb2.Status(code=c.status, message=c.message),
+        bytes_read=c.bytes_read,
+        bytes_written=c.bytes_written,
+        submit_time=timestamp(c.submit_ns),
+        start_time=timestamp(c.start_ns),
+        end_time=timestamp(c.end_ns),
+        request_id=job.request_id,
+    )
+    if c.state == State.SUCCEEDED and job.kind.name == "CRC32C":
+        message.crc32c = c.result
+    return message
+
+
+def job(s: Session, record: JobRecord, spec: job_pb2.JobSpec | None = None) -> job_pb2.Job:
+    """The proto form of a job."""
+    message = job_pb2.Job(
+        name=f"{s.name}/jobs/{record.job_id}",
+        job_id=record.job_id,
+        request_id=record.request_id,
+        state=int(record.state),  # type: ignore[arg-type]
+        submit_time=timestamp(record.submit_ns),
+    )
+    if spec is not None:
+        message.spec.CopyFrom(spec)
+    if record.completion is not None:
+        message.completion.CopyFrom(completion(s, record))
+    return message

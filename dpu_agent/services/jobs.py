@@ -1,0 +1,134 @@
+"""JobService: the slow path for jobs (SubmitJob) and the completion stream."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dpu_agent.errors import InvalidArgument, ResourceExhausted, Unavailable
+from dpu_agent.services import convert
+from dpu_wire import names
+from dpu_wire.capsule import JobKind, Span
+from dpu_wire.v1 import job_pb2, job_pb2_grpc
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    import grpc
+
+    from dpu_agent.dataplane.manager import SessionManager
+    from dpu_agent.dataplane.session import Session
+    from dpu_wire.v1 import common_pb2
+
+MAX_PAGE_SIZE = 500
+DEFAULT_PAGE_SIZE = 100
+
+
+def _span(session: Session, ref: common_pb2.RegionRef, what: str) -> Span:
+    try:
+        owner, region_id = names.parse_name(ref.region, "sessions", "regions")
+    except names.InvalidNameError as exc:
+        raise InvalidArgument(f"{what}.region: {exc}") from None
+    if owner != session.session_id:
+        raise InvalidArgument(f"{what}.region: {ref.region} is not in {session.name}")
+    return session.regions.span_of(region_id, ref.offset, ref.length, what)
+
+
+def _job_id(name: str) -> tuple[str, int]:
+    session_id, job = names.parse_name(name, "sessions", "jobs")
+    if not job.isdigit():
+        raise InvalidArgument(f"{name}: job ids are numbers")
+    return f"sessions/{session_id}", int(job)
+
+
+class JobService(job_pb2_grpc.JobServiceServicer):
+    """Thin gRPC layer over the sessions' job queues."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self._manager = manager
+
+    async def SubmitJob(
+        self, request: job_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> job_pb2.Job:
+        """Queue a job on a session."""
+        session = self._manager.get(request.session)
+        spec = request.spec
+        kind_name = spec.WhichOneof("kind")
+        if kind_name == "copy":
+            kind = JobKind.COPY
+            source = _span(session, spec.copy.source, "spec.copy.source")
+            destination = _span(session, spec.copy.destination, "spec.copy.destination")
+        elif kind_name == "crc32c":
+            kind = JobKind.CRC32C
+            source = _span(session, spec.crc32c.source, "spec.crc32c.source")
+            destination = Span()
+        else:
+            raise InvalidArgument("spec: a job kind (copy, crc32c) is required")
+        record = await session.submit(
+            kind,
+            source,
+            destination,
+            deadline=spec.deadline.ToTimedelta().total_seconds(),
+            request_id=request.request_id,
+            wait_for_slot=request.wait_for_slot,
+        )
+        return convert.job(session, record, spec)
+
+    async def GetJob(
+        self, request: job_pb2.GetJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> job_pb2.Job:
+        """One open or retained job."""
+        session_name, job_id = _job_id(request.name)
+        session = self._manager.get(session_name)
+        return convert.job(session, session.job(job_id))
+
+    async def ListJobs(
+        self, request: job_pb2.ListJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> job_pb2.ListJobsResponse:
+        """A page of a session's open and retained jobs, by id."""
+        session = self._manager.get(request.session)
+        after = int(request.page_token) if request.page_token.isdigit() else -1
+        if request.page_token and after < 0:
+            raise InvalidArgument("page_token is not one this agent issued")
+        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        jobs = [
+            j
+            for j in session.jobs()
+            if j.job_id > after and (not request.state or int(j.state) == request.state)
+        ]
+        page = jobs[:size]
+        token = str(page[-1].job_id) if len(jobs) > size else ""
+        return job_pb2.ListJobsResponse(
+            jobs=[convert.job(session, j) for j in page], next_page_token=token
+        )
+
+    async def CancelJob(
+        self, request: job_pb2.CancelJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> job_pb2.Job:
+        """Ask a job to stop."""
+        session_name, job_id = _job_id(request.name)
+        session = self._manager.get(session_name)
+        return convert.job(session, session.cancel(job_id))
+
+    async def WatchCompletions(
+        self,
+        request: job_pb2.WatchCompletionsRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[job_pb2.Completion]:
+        """One completion per job of the session, in completion order, until it closes."""
+        session = self._manager.get(request.session)
+        watcher = session.watch(include_retained=request.include_retained)
+        try:
+            await context.send_initial_metadata(())  # tells the client the watch is in place
+            while True:
+                record = await watcher.queue.get()
+                if record is None:
+                    break
+                yield convert.completion(session, record)
+                if watcher.overflowed:
+                    raise ResourceExhausted(
+                        "this stream fell too far behind; watch again with include_retained"
+                    )
+            if session.error is not None:
+                raise Unavailable(session.error[1])
+        finally:
+            session.unwatch(watcher)

@@ -1,0 +1,111 @@
+"""SessionService: open and close sessions, exchange endpoints, advertise regions."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dpu_agent.dataplane.regions import AdvertisedRegion
+from dpu_agent.errors import InvalidArgument
+from dpu_agent.services import convert
+from dpu_wire import names
+from dpu_wire.v1 import session_pb2, session_pb2_grpc
+
+if TYPE_CHECKING:
+    import grpc
+
+    from dpu_agent.dataplane.manager import SessionManager
+
+DEFAULT_TENANT = "default"
+
+
+class SessionService(session_pb2_grpc.SessionServiceServicer):
+    """Thin gRPC layer over the SessionManager."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self._manager = manager
+
+    async def OpenSession(
+        self, request: session_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> session_pb2.Session:
+        """Open a session and connect its data plane."""
+        session = await self._manager.open(
+            tenant=DEFAULT_TENANT,
+            transport=request.transport,
+            queue_depth=request.queue_depth,
+            label=request.client_label,
+            host=convert.peer_address(request.host_endpoint),
+            request_id=request.request_id,
+        )
+        return convert.session(session)
+
+    async def GetSession(
+        self, request: session_pb2.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> session_pb2.Session:
+        """One session."""
+        return convert.session(self._manager.get(request.name))
+
+    async def ListSessions(
+        self, request: session_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> session_pb2.ListSessionsResponse:
+        """A page of sessions."""
+        page, token = self._manager.page(request.page_size, request.page_token)
+        return session_pb2.ListSessionsResponse(
+            sessions=[convert.session(s) for s in page], next_page_token=token
+        )
+
+    async def CloseSession(
+        self, request: session_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> session_pb2.CloseSessionResponse:
+        """Close a session: its jobs are cancelled, its queue pair destroyed."""
+        await self._manager.close(request.name)
+        return session_pb2.CloseSessionResponse()
+
+    async def AdvertiseRegions(
+        self,
+        request: session_pb2.AdvertiseRegionsRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> session_pb2.AdvertiseRegionsResponse:
+        """Add host regions to the session, all or none."""
+        session = self._manager.get(request.session)
+        session_id = session.session_id
+        new: list[AdvertisedRegion] = []
+        for index, message in enumerate(request.regions):
+            where = f"regions[{index}]"
+            try:
+                owner, region_id = names.parse_name(message.name, "sessions", "regions")
+            except names.InvalidNameError as exc:
+                raise InvalidArgument(f"{where}.name: {exc}") from None
+            if owner != session_id:
+                raise InvalidArgument(f"{where}.name: {message.name} is not in {session.name}")
+            new.append(
+                AdvertisedRegion(
+                    region_id=region_id,
+                    addr=message.addr,
+                    length=message.length,
+                    rkey=message.rkey,
+                    access=convert.access(list(message.access)),
+                )
+            )
+        added: list[AdvertisedRegion] = []
+        try:
+            for region in new:
+                session.regions.add(region)
+                added.append(region)
+        except Exception:
+            for region in added:
+                session.regions.remove(region.region_id)
+            raise
+        return session_pb2.AdvertiseRegionsResponse(
+            regions=[convert.region(session, r) for r in added]
+        )
+
+    async def WithdrawRegion(
+        self,
+        request: session_pb2.WithdrawRegionRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> session_pb2.WithdrawRegionResponse:
+        """Forget a region; jobs naming it afterwards fail."""
+        session_id, region_id = names.parse_name(request.name, "sessions", "regions")
+        session = self._manager.get(f"sessions/{session_id}")
+        session.regions.remove(region_id)
+        return session_pb2.WithdrawRegionResponse()
