@@ -81,10 +81,11 @@ class MemoryRegion(Region):
         self.access = access
 
     def close(self) -> None:
-        """Unmap the memory (the view must not be used afterwards)."""
+        """Unmap the memory; views a caller still holds keep it mapped until they go."""
         self.view.release()
         if self._mm is not None:
-            self._mm.close()
+            with contextlib.suppress(BufferError):  # a caller's view is alive: GC unmaps later
+                self._mm.close()
             self._mm = None
 
 

@@ -1,0 +1,302 @@
+"""The verbs transport on rxe0: the semantics of tests/unit/test_tcp_transport.py over RC QPs.
+
+Host and agent transports live in one process on the same device (two rxe devices in
+one namespace cannot reach each other). Every test runs with both poll modes. Where
+RDMA differs from tcp the test asserts the verbs behaviour: a refused READ/WRITE fails
+with RemoteAccessError and leaves the link dead; a vanished peer is noticed by the next
+operation once the RC retry budget is spent.
+"""
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+import pytest_asyncio
+
+from dpu_wire.capsule import MAX_CAPSULE
+from dpu_wire.transport.base import (
+    Access,
+    RemoteAccessError,
+    TcpAddress,
+    TransportError,
+)
+from dpu_wire.transport.verbs import VerbsAgentTransport, VerbsHostTransport
+
+pytestmark = [pytest.mark.rdma, pytest.mark.asyncio]
+
+QUEUE_DEPTH = 4  # small, so that tests put more capsules in flight than there are slots
+RECV_DEPTH = 2 * QUEUE_DEPTH + 8
+BOUND_S = 60.0  # no operation may take longer: fail, never hang
+
+
+async def bounded(awaitable, seconds=BOUND_S):
+    async with asyncio.timeout(seconds):
+        return await awaitable
+
+
+@pytest.fixture(params=["event", "busy"])
+def poll_mode(request):
+    return request.param
+
+
+async def connected_pair(rdma_port, poll_mode):
+    kwargs = {
+        "device": rdma_port.device,
+        "port": rdma_port.port,
+        "gid_index": rdma_port.gid_index,
+        "queue_depth": QUEUE_DEPTH,
+        "poll_mode": poll_mode,
+    }
+    host = VerbsHostTransport(**kwargs)
+    agent = VerbsAgentTransport(**kwargs)
+    # The OpenSession sequence: host address -> agent connects -> agent address -> host.
+    await agent.connect(host.address)
+    await host.connect(agent.address)
+    return host, agent
+
+
+@pytest_asyncio.fixture
+async def pair(rdma_port, poll_mode):
+    host, agent = await connected_pair(rdma_port, poll_mode)
+    yield host, agent
+    await agent.close()
+    await host.close()
+
+
+def assert_same_bytes(got, want):
+    """Compare every byte; on a mismatch say where, not a megabyte diff."""
+    got, want = bytes(got), bytes(want)
+    assert len(got) == len(want)
+    if got != want:
+        first = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        pytest.fail(f"bytes differ from offset {first} of {len(want)}")
+
+
+async def assert_link_dead(host, agent):
+    ok = host.register(64, Access.REMOTE_READ)
+    staging = agent.staging(64)
+    with pytest.raises(TransportError) as failed:
+        await bounded(agent.read(staging, 0, 64, ok.addr, ok.rkey))
+    assert not isinstance(failed.value, RemoteAccessError)
+    with pytest.raises(TransportError):
+        await bounded(agent.send(b"after"))
+    with pytest.raises(TransportError):
+        await bounded(agent.recv())
+
+
+async def test_address_describes_the_queue_pair(pair):
+    host, agent = pair
+    for side in (host, agent):
+        address = side.address
+        assert len(address.gid) == 16
+        assert address.gid[:12] == bytes(10) + b"\xff\xff"  # IPv4-mapped RoCEv2 GID
+        assert 0 <= address.psn < 1 << 24
+        assert address.mtu in (256, 512, 1024, 2048, 4096)
+    assert host.address.qp_num != agent.address.qp_num
+
+
+async def test_read_and_write_move_every_byte(pair):
+    host, agent = pair
+    size = 4 << 20
+    src = host.register(size, Access.REMOTE_READ)
+    dst = host.register(size, Access.REMOTE_WRITE)
+    data = os.urandom(size)
+    src.view[:] = data
+    staging = agent.staging(size)
+    await bounded(agent.read(staging, 0, size, src.addr, src.rkey))
+    assert_same_bytes(staging.view, data)
+    await bounded(agent.write(staging, 0, size, dst.addr, dst.rkey))
+    assert_same_bytes(dst.view, data)
+    agent.release(staging)
+
+
+async def test_partial_spans_land_at_the_right_offsets(pair):
+    host, agent = pair
+    region = host.register(4096, Access.REMOTE_READ | Access.REMOTE_WRITE)
+    region.view[:] = bytes(range(256)) * 16
+    staging = agent.staging(100)
+    await bounded(agent.read(staging, 10, 50, region.addr + 1000, region.rkey))
+    assert bytes(staging.view[10:60]) == bytes(region.view[1000:1050])
+    await bounded(agent.write(staging, 10, 50, region.addr + 3000, region.rkey))
+    assert bytes(region.view[3000:3050]) == bytes(region.view[1000:1050])
+
+
+async def test_capsules_both_ways_in_order(pair):
+    host, agent = pair
+    count = 3 * RECV_DEPTH  # every RECV buffer is consumed and reposted several times
+
+    async def send_all(side, prefix):
+        for i in range(count):
+            await side.send(b"%s%d" % (prefix, i))
+
+    await bounded(asyncio.gather(send_all(host, b"h"), send_all(agent, b"a")))
+    assert [await bounded(agent.recv()) for _ in range(count)] == [b"h%d" % i for i in range(count)]
+    assert [await bounded(host.recv()) for _ in range(count)] == [b"a%d" % i for i in range(count)]
+
+
+async def test_more_capsules_in_flight_than_slots_all_arrive(pair):
+    host, agent = pair
+    count = 6 * RECV_DEPTH
+    sent = [os.urandom(1 + i % MAX_CAPSULE) for i in range(count)]
+    await bounded(asyncio.gather(*(host.send(c) for c in sent), *(agent.send(c) for c in sent)))
+    got_agent = [await bounded(agent.recv()) for _ in range(count)]
+    got_host = [await bounded(host.recv()) for _ in range(count)]
+    assert sorted(got_agent) == sorted(sent)
+    assert sorted(got_host) == sorted(sent)
+
+
+async def test_capsule_sizes_up_to_max(pair):
+    host, agent = pair
+    for size in (0, 1, MAX_CAPSULE - 1, MAX_CAPSULE):
+        capsule = os.urandom(size)
+        await bounded(host.send(capsule))
+        assert await bounded(agent.recv()) == capsule
+
+
+async def test_write_is_visible_before_a_later_capsule(pair):
+    host, agent = pair
+    region = host.register(1 << 20, Access.REMOTE_WRITE)
+    staging = agent.staging(1 << 20)
+    staging.view[:] = b"\x5a" * (1 << 20)
+    await bounded(agent.write(staging, 0, 1 << 20, region.addr, region.rkey))
+    await bounded(agent.send(b"done"))
+    assert await bounded(host.recv()) == b"done"
+    assert bytes(region.view) == b"\x5a" * (1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("access", "op", "offset", "length", "key_delta"),
+    [
+        (Access.REMOTE_WRITE, "read", 0, 16, 0),  # not readable
+        (Access.REMOTE_READ, "write", 0, 16, 0),  # not writable
+        (Access.REMOTE_READ, "read", 4090, 16, 0),  # past the end
+        (Access.REMOTE_READ, "read", -16, 16, 0),  # before the start
+        (Access.REMOTE_READ, "read", 0, 16, 1),  # wrong rkey
+    ],
+)
+async def test_refused_access_fails_the_op_then_the_link_is_dead(
+    pair, access, op, offset, length, key_delta
+):
+    host, agent = pair
+    region = host.register(4096, access)
+    staging = agent.staging(64)
+    with pytest.raises(RemoteAccessError):
+        await bounded(
+            getattr(agent, op)(staging, 0, length, region.addr + offset, region.rkey + key_delta)
+        )
+    await assert_link_dead(host, agent)
+
+
+async def test_deregistered_region_is_refused(pair):
+    host, agent = pair
+    region = host.register(64, Access.REMOTE_READ)
+    addr, rkey = region.addr, region.rkey
+    host.deregister(region)
+    with pytest.raises(RemoteAccessError):
+        await bounded(agent.read(agent.staging(64), 0, 64, addr, rkey))
+    await assert_link_dead(host, agent)
+
+
+async def test_a_refused_access_fails_every_pending_op(pair):
+    host, agent = pair
+    size = 1 << 20
+    src = host.register(size, Access.REMOTE_READ)
+    staging = agent.staging(16 * size)
+    good = [agent.read(staging, i * size, size, src.addr, src.rkey) for i in range(15)]
+    bad = agent.read(staging, 15 * size, 16, src.addr, src.rkey + 1)
+    results = await bounded(asyncio.gather(*good, bad, return_exceptions=True))
+    assert isinstance(results[-1], RemoteAccessError)
+    for result in results[:-1]:  # completed before the error, or failed with the link
+        assert result is None or isinstance(result, TransportError)
+    await assert_link_dead(host, agent)
+
+
+async def test_local_misuse_raises_value_error_and_keeps_the_link(pair):
+    host, agent = pair
+    region = host.register(4096, Access.REMOTE_READ)
+    staging = agent.staging(64)
+    with pytest.raises(ValueError, match="exceeds"):
+        await agent.send(bytes(MAX_CAPSULE + 1))
+    with pytest.raises(ValueError, match="outside"):
+        await agent.read(staging, 32, 64, region.addr, region.rkey)
+    with pytest.raises(ValueError, match="not a live staging region"):
+        await agent.read(host.register(64, Access.NONE), 0, 64, region.addr, region.rkey)
+    await bounded(agent.read(staging, 0, 64, region.addr, region.rkey))  # still fine
+
+
+@pytest.mark.parametrize("gone", ["host", "agent"])
+async def test_peer_gone_fails_the_survivor(pair, gone):
+    host, agent = pair
+    region = host.register(64, Access.REMOTE_READ)
+    staging = agent.staging(64)
+    started = time.monotonic()
+    if gone == "host":
+        await host.close()
+        with pytest.raises(TransportError, match="RETRY_EXC"):
+            await bounded(agent.read(staging, 0, 64, region.addr, region.rkey))
+        survivor = agent
+    else:
+        await agent.close()
+        with pytest.raises(TransportError, match="RETRY_EXC"):
+            await bounded(host.send(b"anyone?"))
+        survivor = host
+    assert time.monotonic() - started < 20  # 8 tries x 67 ms, slowed down by emulation
+    with pytest.raises(TransportError):
+        await bounded(survivor.recv())
+    with pytest.raises(TransportError):
+        await bounded(survivor.send(b"still?"))
+
+
+async def test_close_fails_pending_recv_and_later_calls(pair):
+    _, agent = pair
+    waiting = asyncio.create_task(agent.recv())
+    await asyncio.sleep(0)
+    await agent.close()
+    with pytest.raises(TransportError):
+        await bounded(waiting)
+    with pytest.raises(TransportError):
+        await agent.recv()
+    with pytest.raises(TransportError):
+        await agent.send(b"x")
+    with pytest.raises(TransportError):
+        agent.staging(64)
+
+
+async def test_close_is_idempotent(pair):
+    host, agent = pair
+    await agent.close()
+    await agent.close()
+    await host.close()
+    await host.close()
+
+
+async def test_connect_needs_a_verbs_address(rdma_port, poll_mode):
+    agent = VerbsAgentTransport(
+        rdma_port.device, rdma_port.port, rdma_port.gid_index, poll_mode=poll_mode
+    )
+    with pytest.raises(TransportError, match="verbs address"):
+        await agent.connect(TcpAddress("127.0.0.1", 1))
+    await agent.close()
+
+
+async def test_64_concurrent_reads_and_writes_move_every_byte(pair):
+    host, agent = pair
+    rng = random.Random(20261)  # noqa: S311 - sizes, not secrets
+    sizes = [rng.randint(4 << 10, 1 << 20) for _ in range(64)]
+    offsets = [sum(sizes[:i]) for i in range(64)]
+    total = sum(sizes)
+    src = host.register(total, Access.REMOTE_READ)
+    dst = host.register(total, Access.REMOTE_WRITE)
+    staging = agent.staging(total)
+    data = os.urandom(total)
+    src.view[:] = data
+
+    async def move(offset, size):
+        await agent.read(staging, offset, size, src.addr + offset, src.rkey)
+        assert_same_bytes(staging.view[offset : offset + size], data[offset : offset + size])
+        await agent.write(staging, offset, size, dst.addr + offset, dst.rkey)
+
+    await bounded(asyncio.gather(*(move(o, s) for o, s in zip(offsets, sizes, strict=True))))
+    assert_same_bytes(dst.view, data)
