@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench import grpc_unary
+from bench import grpc_unary, tcp_dataplane
 
-BENCHES = (grpc_unary,)
+BENCHES = (grpc_unary, tcp_dataplane)
 
 
 def main() -> int:
