@@ -155,13 +155,38 @@ async def _recv_capsule(conn: _FramedSocket, length: int) -> bytes:
 
 
 class _Link:
-    """The capsule queue and the reader task both sides share."""
+    """What both sides share: the connection, the capsule queue and the reader task."""
 
     def __init__(self) -> None:
+        self._conn: _FramedSocket | None = None
         self._capsules: asyncio.Queue[bytes | TransportError] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
         self._error: TransportError | None = None
         self._closed = False
+
+    async def send(self, capsule: bytes) -> None:
+        """Send a capsule to the peer."""
+        if self._conn is None or self._error is not None:
+            raise self._error or TransportError("not connected")
+        await self._conn.send(_Frame(_Type.CAPSULE, length=len(capsule)), capsule)
+
+    async def recv(self) -> bytes:
+        """The next capsule from the peer."""
+        return await self._recv()
+
+    async def _close_link(self) -> bool:
+        """Fail the link, stop the reader, close the socket; False if already closed."""
+        if self._closed:
+            return False
+        self._closed = True
+        self._fail(TransportError("transport closed"))
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        if self._conn is not None:
+            self._conn.close()
+        return True
 
     def _fail(self, error: TransportError) -> None:
         if self._error is None:
@@ -178,7 +203,7 @@ class _Link:
         return item
 
 
-class TcpHostTransport(HostTransport, _Link):
+class TcpHostTransport(_Link, HostTransport):
     """Host side: listens for the agent and serves its READ/WRITE on registered regions."""
 
     def __init__(self, bind_host: str = "127.0.0.1", advertise_host: str | None = None) -> None:
@@ -188,7 +213,6 @@ class TcpHostTransport(HostTransport, _Link):
         port = self._listener.getsockname()[1]
         self._address = TcpAddress(advertise_host or bind_host, port)
         self._regions: dict[int, MemoryRegion] = {}
-        self._conn: _FramedSocket | None = None
 
     @property
     def address(self) -> TcpAddress:
@@ -261,40 +285,21 @@ class TcpHostTransport(HostTransport, _Link):
         else:
             raise TransportError(f"unexpected frame {frame.kind.name} from the agent")
 
-    async def send(self, capsule: bytes) -> None:
-        """Send a capsule to the agent."""
-        if self._conn is None or self._error is not None:
-            raise self._error or TransportError("not connected")
-        await self._conn.send(_Frame(_Type.CAPSULE, length=len(capsule)), capsule)
-
-    async def recv(self) -> bytes:
-        """The next capsule from the agent."""
-        return await self._recv()
-
     async def close(self) -> None:
         """Close the connection and free every region."""
-        if self._closed:
+        if not await self._close_link():
             return
-        self._closed = True
-        self._fail(TransportError("transport closed"))
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        if self._conn is not None:
-            self._conn.close()
         self._listener.close()
         for region in self._regions.values():
             region.close()
         self._regions.clear()
 
 
-class TcpAgentTransport(AgentTransport, _Link):
+class TcpAgentTransport(_Link, AgentTransport):
     """Agent side: dials the host and moves bytes with READ/WRITE frames."""
 
     def __init__(self) -> None:
         _Link.__init__(self)
-        self._conn: _FramedSocket | None = None
         self._next_req = 1
         self._pending: dict[int, tuple[asyncio.Future[None], memoryview | None]] = {}
 
@@ -391,30 +396,12 @@ class TcpAgentTransport(AgentTransport, _Link):
                     future.set_exception(exc)
             self._pending.clear()
 
-    async def send(self, capsule: bytes) -> None:
-        """Send a capsule to the host."""
-        if self._conn is None or self._error is not None:
-            raise self._error or TransportError("not connected")
-        await self._conn.send(_Frame(_Type.CAPSULE, length=len(capsule)), capsule)
-
-    async def recv(self) -> bytes:
-        """The next capsule from the host."""
-        return await self._recv()
-
     async def close(self) -> None:
         """Close the connection; pending reads and writes fail."""
-        if self._closed:
+        if not await self._close_link():
             return
-        self._closed = True
         error = TransportError("transport closed")
-        self._fail(error)
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
         for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(error)
         self._pending.clear()
-        if self._conn is not None:
-            self._conn.close()
