@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(cfg.log_level, cfg.log_format)
     try:
         asyncio.run(server.serve(cfg, ready_file=args.ready_file))
+    except config.ConfigError as exc:
+        print(f"dpu-agent: configuration error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         logging.getLogger("dpu_agent").error("cannot start: %s", exc)  # noqa: TRY400
         print(f"dpu-agent: {exc}", file=sys.stderr)

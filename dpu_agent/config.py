@@ -164,6 +164,57 @@ SETTINGS: Final = (
     Setting(
         "log", "format", "log_format", "DPU_AGENT_LOG_FORMAT", _choice(*logs.FORMATS), "log format"
     ),
+    Setting(
+        "dataplane",
+        "transports",
+        "transports",
+        "DPU_AGENT_TRANSPORTS",
+        _transports,
+        "auto, or a comma list of verbs, tcp",
+    ),
+    Setting(
+        "dataplane", "rdma_device", "rdma_device", "DPU_AGENT_RDMA_DEVICE", _text, "RDMA device"
+    ),
+    Setting(
+        "dataplane",
+        "poll_mode",
+        "poll_mode",
+        "DPU_AGENT_POLL_MODE",
+        _choice("event", "busy"),
+        "CQ polling: event or busy",
+    ),
+    Setting(
+        "dataplane",
+        "queue_depth",
+        "queue_depth",
+        "DPU_AGENT_QUEUE_DEPTH",
+        _integer(1, 1024),
+        "default jobs in flight per session",
+    ),
+    Setting(
+        "dataplane",
+        "max_sessions",
+        "max_sessions",
+        "DPU_AGENT_MAX_SESSIONS",
+        _integer(1, 4096),
+        "sessions the agent serves at once",
+    ),
+    Setting(
+        "dataplane",
+        "orphan_timeout",
+        "orphan_timeout",
+        "DPU_AGENT_ORPHAN_TIMEOUT",
+        _seconds,
+        "seconds a session lives unwatched",
+    ),
+    Setting(
+        "dataplane",
+        "chunk_size",
+        "chunk_size",
+        "DPU_AGENT_CHUNK_SIZE",
+        _integer(4096, 16 << 20),
+        "bytes per RDMA op",
+    ),
 )
 
 

@@ -50,6 +50,10 @@ _LINK_LAYERS = {0: "Unspecified", 1: "InfiniBand", 2: "Ethernet"}
 
 def rdma_devices() -> tuple[RdmaDeviceInfo, ...]:
     """RDMA devices visible through libibverbs; empty when there are none."""
+    # The verbs transport imports pyverbs with the root logger protected (pyverbs calls
+    # logging.basicConfig on import); import it that way first.
+    from dpu_wire.transport import verbs  # noqa: PLC0415, F401
+
     try:
         from pyverbs import device  # noqa: PLC0415 - optional dependency
         from pyverbs.pyverbs_error import PyverbsError  # noqa: PLC0415

@@ -54,8 +54,9 @@ def factories(
         if device is not None:
             result[TRANSPORT_VERBS] = functools.partial(_verbs, device, config.poll_mode)
         elif config.transports != "auto":
-            which = config.rdma_device or "any RDMA device"
-            raise ConfigError(f"dataplane.transports names verbs but {which} has no ACTIVE port")
+            which = f"RDMA device {config.rdma_device!r} has" if config.rdma_device else "no RDMA"
+            which += " no ACTIVE port" if config.rdma_device else " device has an ACTIVE port"
+            raise ConfigError(f"dataplane.transports names verbs, but {which}")
         else:
             log.info("no ACTIVE RDMA port: sessions use the tcp transport")
     if "tcp" in wanted:

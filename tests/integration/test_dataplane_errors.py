@@ -23,7 +23,7 @@ def slow_agent(tmp_path_factory):
     assert process.terminate() == 0, process.log_path.read_text()
 
 
-async def raw_submit(session, data: bytes) -> capsule.Completion:
+async def raw_submit(session, data: bytes) -> host_client.Completion:
     """Send raw capsule bytes on the session's data plane; return the answer."""
     job_id = struct.unpack_from("<Q", data, 8)[0] if len(data) >= 16 else 0
     loop = asyncio.get_running_loop()

@@ -1,3 +1,5 @@
+import dataclasses
+import os
 import subprocess
 import sys
 
@@ -94,3 +96,51 @@ def test_cli_check_config_prints_merged_settings(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "agent_id = 'dpu-7'" in proc.stdout
+
+
+def test_every_setting_has_a_file_key_and_an_environment_variable():
+    fields = {f.name for f in dataclasses.fields(config.AgentConfig)}
+    assert {s.attr for s in config.SETTINGS} == fields
+    assert len({s.env for s in config.SETTINGS}) == len(config.SETTINGS)
+
+
+@pytest.mark.parametrize(
+    ("env", "attr", "value"),
+    [
+        ({"DPU_AGENT_TRANSPORTS": "tcp, verbs"}, "transports", "tcp,verbs"),
+        ({"DPU_AGENT_POLL_MODE": "BUSY"}, "poll_mode", "busy"),
+        ({"DPU_AGENT_QUEUE_DEPTH": "8"}, "queue_depth", 8),
+        ({"DPU_AGENT_CHUNK_SIZE": "4096"}, "chunk_size", 4096),
+        ({"DPU_AGENT_ORPHAN_TIMEOUT": "1.5"}, "orphan_timeout", 1.5),
+    ],
+)
+def test_dataplane_settings_from_the_environment(env, attr, value):
+    assert getattr(config.load(None, environ=env), attr) == value
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DPU_AGENT_TRANSPORTS": "rdma"}, "comma list of verbs, tcp"),
+        ({"DPU_AGENT_QUEUE_DEPTH": "0"}, "from 1 to 1024"),
+        ({"DPU_AGENT_CHUNK_SIZE": "100"}, "from 4096"),
+        ({"DPU_AGENT_POLL_MODE": "spin"}, "event, busy"),
+    ],
+)
+def test_bad_dataplane_settings(env, message):
+    with pytest.raises(config.ConfigError, match=message):
+        config.load(None, environ=env)
+
+
+def test_cli_reports_verbs_without_a_device_clearly():
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpu_agent", "serve", "--listen", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "DPU_AGENT_TRANSPORTS": "verbs"},
+    )
+    assert proc.returncode == 2
+    assert "configuration error: dataplane.transports names verbs" in proc.stderr
+    assert "Traceback" not in proc.stderr
