@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -66,7 +67,7 @@ def write_results(bench: str, results: list[Result]) -> Path:
 
 
 @contextlib.contextmanager
-def agent_process() -> Iterator[str]:
+def agent_process(env: dict[str, str] | None = None) -> Iterator[str]:
     """Run `dpu-agent serve` on a free loopback port; yield its address."""
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
@@ -83,9 +84,10 @@ def agent_process() -> Iterator[str]:
                 "--log-level",
                 "warning",
             ],
+            env={**os.environ, **(env or {})},
         )
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while not ready.exists():
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("agent did not start")
@@ -94,3 +96,44 @@ def agent_process() -> Iterator[str]:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+VM_RESULTS = CHECKOUT / ".testvm" / "out" / "bench"
+
+
+def run_rdma_bench(name: str, measure: Callable[[], list[Result]]) -> list[Result]:
+    """Measure here when this machine has an RDMA port, else inside the soft-RoCE VM.
+
+    In the VM the checkout is read-only, so the guest writes its JSON under
+    .testvm/out/bench/ and the host copies it to bench/results/.
+    """
+    from dpu_wire.transport.base import TransportError  # noqa: PLC0415
+    from dpu_wire.transport.verbs import find_port  # noqa: PLC0415
+
+    try:
+        find_port(os.environ.get("DPU_TEST_RDMA_DEVICE"))
+    except TransportError:
+        return _via_vm(name)
+    global RESULTS  # noqa: PLW0603 - the one switch of the output folder
+    if not os.access(RESULTS.parent, os.W_OK):
+        RESULTS = VM_RESULTS
+    results = measure()
+    write_results(name, results)
+    return results
+
+
+def _via_vm(name: str) -> list[Result]:
+    produced = VM_RESULTS / f"{name}.json"
+    produced.unlink(missing_ok=True)
+    testvm = [sys.executable, str(CHECKOUT / "deploy" / "testvm" / "testvm.py"), "run", "--"]
+    subprocess.run([*testvm, sys.executable, "-m", f"bench.{name}"], cwd=CHECKOUT, check=True)
+    RESULTS.mkdir(exist_ok=True)
+    target = RESULTS / f"{name}.json"
+    shutil.copyfile(produced, target)
+    print(f"results: {target}")
+    fields = {field.name for field in dataclasses.fields(Result)}
+    return [
+        Result(**{k: v for k, v in row.items() if k in fields})
+        for row in json.loads(target.read_text())["results"]
+    ]

@@ -406,15 +406,13 @@ class Session:
     async def _watch(self) -> None:
         """Hold the session's watch stream (the agent's sign that this host is alive)."""
         stream = self._client.stubs.jobs.WatchCompletions(
-            job_pb2.WatchCompletionsRequest(session=self.name),
+            job_pb2.WatchCompletionsRequest(session=self.name, origin=job_pb2.JOB_ORIGIN_RPC),
             metadata=((REQUEST_ID_METADATA_KEY, uuid.uuid4().hex),),
         )
         try:
             await stream.wait_for_connection()
             self._watch_ready.set()
             async for message in stream:
-                if message.job_id < GRPC_JOB_ID_BASE:
-                    continue  # capsule jobs complete through the data plane
                 completion = Completion.from_proto(message)
                 entry = self._pending.pop(message.job_id, None)
                 if entry is None:

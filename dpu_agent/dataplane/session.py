@@ -87,12 +87,15 @@ class SessionCounters:
 class Watcher:
     """One WatchCompletions stream: a queue of finished jobs, None at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, origin: Origin | None = None) -> None:
         self.queue: asyncio.Queue[JobRecord | None] = asyncio.Queue()
+        self.origin = origin
         self.overflowed = False
 
     def put(self, job: JobRecord | None) -> None:
         """Queue a finished job (or the end marker); mark overflow instead of growing forever."""
+        if job is not None and self.origin is not None and job.origin != self.origin:
+            return
         if job is not None and self.queue.qsize() >= WATCHER_BACKLOG:
             self.overflowed = True
             return
@@ -406,9 +409,9 @@ class Session:
         self._start(job)
 
     # ------------------------------------------------------------------ watchers
-    def watch(self, *, include_retained: bool) -> Watcher:
+    def watch(self, *, include_retained: bool, origin: Origin | None = None) -> Watcher:
         """A new watcher of finished jobs (ended at once if the session is over)."""
-        watcher = Watcher()
+        watcher = Watcher(origin)
         if include_retained:
             for job in self._retained.values():
                 watcher.put(job)

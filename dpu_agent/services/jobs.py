@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dpu_agent.dataplane.jobs import Origin
 from dpu_agent.errors import InvalidArgument, ResourceExhausted, Unavailable
 from dpu_agent.services import convert
 from dpu_wire import names
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from dpu_agent.dataplane.session import Session
     from dpu_wire.v1 import common_pb2
 
+_ORIGINS = {job_pb2.JOB_ORIGIN_CAPSULE: Origin.CAPSULE, job_pb2.JOB_ORIGIN_RPC: Origin.GRPC}
 MAX_PAGE_SIZE = 500
 DEFAULT_PAGE_SIZE = 100
 
@@ -116,7 +118,8 @@ class JobService(job_pb2_grpc.JobServiceServicer):
     ) -> AsyncIterator[job_pb2.Completion]:
         """One completion per job of the session, in completion order, until it closes."""
         session = self._manager.get(request.session)
-        watcher = session.watch(include_retained=request.include_retained)
+        origin = _ORIGINS.get(request.origin)
+        watcher = session.watch(include_retained=request.include_retained, origin=origin)
         try:
             await context.send_initial_metadata(())  # tells the client the watch is in place
             while True:

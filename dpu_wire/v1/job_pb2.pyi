@@ -49,6 +49,30 @@ JOB_STATE_FAILED: JobState.ValueType  # 4
 JOB_STATE_CANCELLED: JobState.ValueType  # 5
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
 
+class _JobOrigin:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _JobOriginEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobOrigin.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    JOB_ORIGIN_UNSPECIFIED: _JobOrigin.ValueType  # 0
+    """in a filter: any"""
+    JOB_ORIGIN_CAPSULE: _JobOrigin.ValueType  # 1
+    """a SUBMIT capsule on the data plane"""
+    JOB_ORIGIN_RPC: _JobOrigin.ValueType  # 2
+    """JobService.SubmitJob"""
+
+class JobOrigin(_JobOrigin, metaclass=_JobOriginEnumTypeWrapper):
+    """How a job reached the agent."""
+
+JOB_ORIGIN_UNSPECIFIED: JobOrigin.ValueType  # 0
+"""in a filter: any"""
+JOB_ORIGIN_CAPSULE: JobOrigin.ValueType  # 1
+"""a SUBMIT capsule on the data plane"""
+JOB_ORIGIN_RPC: JobOrigin.ValueType  # 2
+"""JobService.SubmitJob"""
+Global___JobOrigin: _TypeAlias = JobOrigin  # noqa: Y015
+
 @_typing.final
 class CopyJob(_message.Message):
     """Copies bytes from one host region to another through DPU memory
@@ -368,20 +392,26 @@ class WatchCompletionsRequest(_message.Message):
 
     SESSION_FIELD_NUMBER: _builtins.int
     INCLUDE_RETAINED_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
     session: _builtins.str
     include_retained: _builtins.bool
     """Also send completions that finished before the stream opened and are
     still retained by the agent.
+    """
+    origin: Global___JobOrigin.ValueType
+    """Only jobs that arrived this way (UNSPECIFIED: all). A host that gets its
+    capsule jobs' completions on the data plane watches JOB_ORIGIN_RPC only.
     """
     def __init__(
         self,
         *,
         session: _builtins.str = ...,
         include_retained: _builtins.bool = ...,
+        origin: Global___JobOrigin.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_retained", b"include_retained", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_retained", b"include_retained", "origin", b"origin", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
