@@ -22,6 +22,7 @@ regions, checking rkey, bounds and access, as an RDMA NIC does).
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import enum
 from typing import TYPE_CHECKING, Self
@@ -155,3 +156,31 @@ class AgentTransport(CapsuleLink):
     @abc.abstractmethod
     async def write(self, local: Region, offset: int, length: int, addr: int, rkey: int) -> None:
         """RDMA WRITE `local[offset:offset+length]` to host (`addr`, `rkey`)."""
+
+
+class CapsuleInbox:
+    """Received capsules in order; once failed, every later `get` raises the same error."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[bytes | TransportError] = asyncio.Queue()
+        self.error: TransportError | None = None
+
+    def put(self, capsule: bytes) -> None:
+        """Deliver a capsule."""
+        self._queue.put_nowait(capsule)
+
+    def fail(self, error: TransportError) -> bool:
+        """Record the link's failure once; False if it had already failed."""
+        if self.error is not None:
+            return False
+        self.error = error
+        self._queue.put_nowait(error)
+        return True
+
+    async def get(self) -> bytes:
+        """The next capsule, or the link's TransportError."""
+        item = await self._queue.get()
+        if isinstance(item, TransportError):
+            self._queue.put_nowait(item)  # every later get fails the same way
+            raise item
+        return item

@@ -33,6 +33,7 @@ from dpu_wire.transport import _memory
 from dpu_wire.transport.base import (
     Access,
     AgentTransport,
+    CapsuleInbox,
     HostTransport,
     PeerAddress,
     Region,
@@ -159,15 +160,14 @@ class _Link:
 
     def __init__(self) -> None:
         self._conn: _FramedSocket | None = None
-        self._capsules: asyncio.Queue[bytes | TransportError] = asyncio.Queue()
+        self._inbox = CapsuleInbox()
         self._reader: asyncio.Task[None] | None = None
-        self._error: TransportError | None = None
         self._closed = False
 
     async def send(self, capsule: bytes) -> None:
         """Send a capsule to the peer."""
-        if self._conn is None or self._error is not None:
-            raise self._error or TransportError("not connected")
+        if self._conn is None or self._inbox.error is not None:
+            raise self._inbox.error or TransportError("not connected")
         await self._conn.send(_Frame(_Type.CAPSULE, length=len(capsule)), capsule)
 
     async def recv(self) -> bytes:
@@ -189,18 +189,12 @@ class _Link:
         return True
 
     def _fail(self, error: TransportError) -> None:
-        if self._error is None:
-            self._error = error
-            self._capsules.put_nowait(error)
+        self._inbox.fail(error)
 
     async def _recv(self) -> bytes:
         if self._closed:
             raise TransportError("transport is closed")
-        item = await self._capsules.get()
-        if isinstance(item, TransportError):
-            self._capsules.put_nowait(item)  # every later recv fails the same way
-            raise item
-        return item
+        return await self._inbox.get()
 
 
 class TcpHostTransport(_Link, HostTransport):
@@ -265,7 +259,7 @@ class TcpHostTransport(_Link, HostTransport):
 
     async def _handle(self, conn: _FramedSocket, frame: _Frame) -> None:
         if frame.kind == _Type.CAPSULE:
-            self._capsules.put_nowait(await _recv_capsule(conn, frame.length))
+            self._inbox.put(await _recv_capsule(conn, frame.length))
         elif frame.kind == _Type.READ:
             view = self._lookup(frame.addr, frame.rkey, frame.length, Access.REMOTE_READ)
             if view is None:
@@ -341,8 +335,8 @@ class TcpAgentTransport(_Link, AgentTransport):
             region.close()
 
     def _request(self, into: memoryview | None) -> tuple[int, asyncio.Future[None]]:
-        if self._conn is None or self._error is not None:
-            raise self._error or TransportError("not connected")
+        if self._conn is None or self._inbox.error is not None:
+            raise self._inbox.error or TransportError("not connected")
         req_id = self._next_req
         self._next_req = (self._next_req + 1) & 0xFFFF_FFFF or 1
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -366,7 +360,7 @@ class TcpAgentTransport(_Link, AgentTransport):
 
     async def _handle(self, conn: _FramedSocket, frame: _Frame) -> None:
         if frame.kind == _Type.CAPSULE:
-            self._capsules.put_nowait(await _recv_capsule(conn, frame.length))
+            self._inbox.put(await _recv_capsule(conn, frame.length))
             return
         if frame.kind not in (_Type.READ_RESP, _Type.WRITE_ACK):
             raise TransportError(f"unexpected frame {frame.kind.name} from the host")

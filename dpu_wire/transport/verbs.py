@@ -63,6 +63,7 @@ from dpu_wire.transport import _memory
 from dpu_wire.transport.base import (
     Access,
     AgentTransport,
+    CapsuleInbox,
     HostTransport,
     PeerAddress,
     Region,
@@ -324,10 +325,9 @@ class _QueuePair:
         self._free_slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(config.queue_depth):
             self._free_slots.put_nowait(slot)
-        self._capsules: asyncio.Queue[bytes | TransportError] = asyncio.Queue()
+        self._inbox = CapsuleInbox()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._error: TransportError | None = None
         self._closed = False
         self._ctx: Any = None
         try:
@@ -478,15 +478,11 @@ class _QueuePair:
         """The next capsule, or TransportError once the link is gone."""
         if self._closed:
             raise TransportError("transport is closed")
-        item = await self._capsules.get()
-        if isinstance(item, TransportError):
-            self._capsules.put_nowait(item)  # every later recv fails the same way
-            raise item
-        return item
+        return await self._inbox.get()
 
     def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
+        if self._inbox.error is not None:
+            raise self._inbox.error
         if self._loop is None:
             raise TransportError("not connected")
 
@@ -567,7 +563,7 @@ class _QueuePair:
 
     async def _busy_poll(self) -> None:
         try:
-            while self._error is None:  # a failed link has nothing left to complete
+            while self._inbox.error is None:  # a failed link has nothing left to complete
                 self._drain()
                 await asyncio.sleep(0)
         except PyverbsError as exc:
@@ -624,16 +620,14 @@ class _QueuePair:
         except PyverbsError as exc:
             self._fail(TransportError(f"reposting a RECV failed: {exc}"))
             return
-        self._capsules.put_nowait(capsule)
+        self._inbox.put(capsule)
 
     def _fail(self, error: TransportError) -> None:
         """The link is gone: fail every pending operation, and every later one."""
-        if self._error is not None:
+        if not self._inbox.fail(error):
             return
-        self._error = error
         if not self._closed:
             log.warning("verbs data plane failed: %s", error)
-        self._capsules.put_nowait(error)
         pending, self._pending = self._pending, {}
         for op in pending.values():
             self._retire(op)
