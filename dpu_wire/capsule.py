@@ -56,6 +56,9 @@ CANCEL_SIZE: Final = HEADER.size
 COMPLETION_FIXED: Final = HEADER.size + COMPLETION_BODY.size
 MAX_MESSAGE: Final = 176
 MAX_CAPSULE: Final = COMPLETION_FIXED + MAX_MESSAGE  # 256: the size of every receive buffer
+AGENT_JOB_ID_BASE: Final = 1 << 63
+"""Job ids from here up are the agent's (jobs it received through SubmitJob); hosts
+number their capsule jobs below it."""
 U32_MAX: Final = 0xFFFF_FFFF
 U64_MAX: Final = 0xFFFF_FFFF_FFFF_FFFF
 

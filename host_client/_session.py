@@ -16,7 +16,7 @@ from google.protobuf import duration_pb2
 from dpu_wire import REQUEST_ID_METADATA_KEY, capsule, endpoints
 from dpu_wire.capsule import JobKind, Span
 from dpu_wire.transport.base import Access, TransportError
-from dpu_wire.v1 import common_pb2, job_pb2, session_pb2
+from dpu_wire.v1 import agent_pb2, common_pb2, job_pb2, session_pb2
 from host_client._completion import Completion
 from host_client._errors import (
     DpuError,
@@ -35,9 +35,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GRPC_JOB_ID_BASE: Final = 1 << 63
-TRANSPORT_NUMBERS: Final = {"auto": 0, "verbs": 1, "tcp": 2}
-TRANSPORT_NAMES: Final = {1: "verbs", 2: "tcp"}
+TRANSPORT_NUMBERS: Final = {
+    "auto": agent_pb2.TRANSPORT_UNSPECIFIED,
+    "verbs": agent_pb2.TRANSPORT_VERBS,
+    "tcp": agent_pb2.TRANSPORT_TCP,
+}
+TRANSPORT_NAMES: Final = {number: name for name, number in TRANSPORT_NUMBERS.items() if number}
 
 
 class Buffer:
@@ -311,7 +314,7 @@ class Session:
 
     async def cancel(self, job: Job) -> None:
         """Ask the agent to cancel a job; its completion says whether it did."""
-        if job.job_id >= GRPC_JOB_ID_BASE:
+        if job.job_id >= capsule.AGENT_JOB_ID_BASE:
             await self._client._call(  # noqa: SLF001
                 self._client.stubs.jobs.CancelJob,
                 job_pb2.CancelJobRequest(

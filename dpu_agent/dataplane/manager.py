@@ -27,6 +27,7 @@ from dpu_agent.errors import (
 )
 from dpu_wire import names
 from dpu_wire.transport.base import TcpAddress, TransportError, VerbsAddress
+from dpu_wire.v1 import agent_pb2
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRANSPORT_VERBS: Final = 1
-TRANSPORT_TCP: Final = 2
+TRANSPORT_VERBS: Final = int(agent_pb2.TRANSPORT_VERBS)
+TRANSPORT_TCP: Final = int(agent_pb2.TRANSPORT_TCP)
 MAX_PAGE_SIZE: Final = 500
 DEFAULT_PAGE_SIZE: Final = 100
 

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GRPC_JOB_ID_BASE: Final = 1 << 63
 WATCHER_BACKLOG: Final = 65536
 
 
@@ -133,7 +132,7 @@ class Session:
         self._retained: collections.OrderedDict[int, JobRecord] = collections.OrderedDict()
         self._by_request: dict[str, int] = {}
         self._slots = asyncio.Semaphore(settings.queue_depth)
-        self._grpc_ids = itertools.count(GRPC_JOB_ID_BASE)
+        self._grpc_ids = itertools.count(capsule.AGENT_JOB_ID_BASE)
         self._watchers: set[Watcher] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._pool: StagingPool | None = None
@@ -374,7 +373,7 @@ class Session:
         await self.transport.send(reply.encode())
 
     async def _on_submit(self, sub: capsule.Submit) -> None:
-        if sub.job_id >= GRPC_JOB_ID_BASE:
+        if sub.job_id >= capsule.AGENT_JOB_ID_BASE:
             await self._reject(
                 sub.job_id, status.INVALID_ARGUMENT, "job ids >= 2**63 are the agent's"
             )
