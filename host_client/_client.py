@@ -17,8 +17,10 @@ from dpu_wire.transport.tcp import TcpHostTransport
 from dpu_wire.v1 import (
     agent_pb2,
     agent_pb2_grpc,
+    job_pb2,
     job_pb2_grpc,
     network_pb2_grpc,
+    session_pb2,
     session_pb2_grpc,
     storage_pb2_grpc,
     virtualization_pb2_grpc,
@@ -152,6 +154,58 @@ class Client:
         except NotFoundError:  # the health protocol's answer for an unknown service
             return "SERVICE_UNKNOWN"
         return _HEALTH_STATES.get(response.status, str(response.status))
+
+    async def list_sessions(self) -> list[session_pb2.Session]:
+        """Every session on the agent (all pages)."""
+        sessions: list[session_pb2.Session] = []
+        token = ""
+        while True:
+            page: session_pb2.ListSessionsResponse = await self._call(
+                self.stubs.sessions.ListSessions,
+                session_pb2.ListSessionsRequest(page_token=token),
+            )
+            sessions.extend(page.sessions)
+            token = page.next_page_token
+            if not token:
+                return sessions
+
+    async def get_session(self, name: str) -> session_pb2.Session:
+        """One session by name ("sessions/{id}")."""
+        return await self._call(
+            self.stubs.sessions.GetSession, session_pb2.GetSessionRequest(name=name)
+        )
+
+    async def close_session(self, name: str) -> None:
+        """Close a session on the agent: its jobs are cancelled, its data plane torn down."""
+        await self._call(
+            self.stubs.sessions.CloseSession,
+            session_pb2.CloseSessionRequest(name=name, request_id=uuid.uuid4().hex),
+        )
+
+    async def list_jobs(self, session: str, state: int = 0) -> list[job_pb2.Job]:
+        """A session's open and retained jobs (all pages), optionally in one state."""
+        jobs: list[job_pb2.Job] = []
+        token = ""
+        while True:
+            page: job_pb2.ListJobsResponse = await self._call(
+                self.stubs.jobs.ListJobs,
+                job_pb2.ListJobsRequest(session=session, page_token=token, state=state),  # type: ignore[arg-type]
+            )
+            jobs.extend(page.jobs)
+            token = page.next_page_token
+            if not token:
+                return jobs
+
+    async def get_job(self, name: str) -> job_pb2.Job:
+        """One job by name ("sessions/{id}/jobs/{n}")."""
+        return await self._call(self.stubs.jobs.GetJob, job_pb2.GetJobRequest(name=name))
+
+    async def cancel_job(self, name: str) -> job_pb2.Job:
+        """Ask the agent to cancel a job; its completion says whether it did."""
+        return await self._call(
+            self.stubs.jobs.CancelJob,
+            job_pb2.CancelJobRequest(name=name, request_id=uuid.uuid4().hex),
+        )
 
     async def open_session(
         self,

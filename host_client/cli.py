@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Final
 
 from google.protobuf import json_format
 
+from dpu_wire.v1 import agent_pb2, job_pb2, session_pb2
 from host_client import __version__ as sdk_version
 from host_client._client import TARGET_ENV, Client, default_target
 from host_client._errors import DpuError
@@ -21,7 +22,7 @@ from host_client._errors import DpuError
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from dpu_wire.v1 import agent_pb2
+    from google.protobuf.message import Message
 
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
@@ -65,7 +66,83 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="first wait up to SECONDS for the agent to accept connections",
     )
+    session = sub.add_parser("session", help="data-plane sessions on the agent")
+    session_sub = session.add_subparsers(dest="action", required=True, metavar="ACTION")
+    session_sub.add_parser("list", help="every session: transport, state, jobs, bytes")
+    for action, text in (("get", "one session"), ("close", "close a session (cancels its jobs)")):
+        cmd = session_sub.add_parser(action, help=text)
+        cmd.add_argument("name", help="sessions/{id}")
+    job = sub.add_parser("job", help="jobs of a session")
+    job_sub = job.add_subparsers(dest="action", required=True, metavar="ACTION")
+    job_list = job_sub.add_parser("list", help="open and retained jobs of a session")
+    job_list.add_argument("session", help="sessions/{id}")
+    for action, text in (("get", "one job"), ("cancel", "ask the agent to cancel a job")):
+        cmd = job_sub.add_parser(action, help=text)
+        cmd.add_argument("name", help="sessions/{id}/jobs/{n}")
     return parser
+
+
+def _print_json(message: Message) -> None:
+    print(json_format.MessageToJson(message, preserving_proto_field_name=True))
+
+
+def _session_line(s: session_pb2.Session) -> str:
+    c = s.counters
+    state = session_pb2.SessionState.Name(s.state).removeprefix("SESSION_STATE_")
+    kind = agent_pb2.Transport.Name(s.transport).removeprefix("TRANSPORT_").lower()
+    return (
+        f"{s.name:<24} {kind:<6} {state:<8} depth {s.queue_depth:<4} "
+        f"jobs {c.jobs_completed}/{c.jobs_submitted} ok, {c.jobs_failed} failed  "
+        f"read {c.bytes_read} B  written {c.bytes_written} B  {s.client_label}"
+    )
+
+
+def _job_line(j: job_pb2.Job) -> str:
+    state = job_pb2.JobState.Name(j.state).removeprefix("JOB_STATE_")
+    line = f"{j.name:<40} {state:<10}"
+    if j.HasField("completion"):
+        c = j.completion
+        line += f" status {c.status.code} read {c.bytes_read} written {c.bytes_written}"
+        if c.HasField("crc32c"):
+            line += f" crc32c {c.crc32c:#010x}"
+        if c.status.message:
+            line += f"  ({c.status.message})"
+    return line
+
+
+async def _session(client: Client, args: argparse.Namespace) -> int:
+    if args.action == "list":
+        sessions = await client.list_sessions()
+        if args.json:
+            print(json.dumps([json_format.MessageToDict(s) for s in sessions], indent=2))
+        else:
+            for s in sessions:
+                print(_session_line(s))
+            if not sessions:
+                print("no sessions")
+    elif args.action == "get":
+        s = await client.get_session(args.name)
+        _print_json(s) if args.json else print(_session_line(s))
+    else:
+        await client.close_session(args.name)
+        print(f"closed {args.name}")
+    return 0
+
+
+async def _job(client: Client, args: argparse.Namespace) -> int:
+    if args.action == "list":
+        jobs = await client.list_jobs(args.session)
+        if args.json:
+            print(json.dumps([json_format.MessageToDict(j) for j in jobs], indent=2))
+        else:
+            for j in jobs:
+                print(_job_line(j))
+            if not jobs:
+                print("no jobs")
+        return 0
+    j = await (client.get_job(args.name) if args.action == "get" else client.cancel_job(args.name))
+    _print_json(j) if args.json else print(_job_line(j))
+    return 0
 
 
 def _print_info(info: agent_pb2.AgentInfo) -> None:
@@ -109,6 +186,8 @@ async def _health(client: Client, args: argparse.Namespace) -> int:
 COMMANDS: Final[dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]]]] = {
     "info": _info,
     "health": _health,
+    "session": _session,
+    "job": _job,
 }
 
 

@@ -1,11 +1,14 @@
 """`dpuctl` and `dpu-agent` as a user runs them, against a real agent process."""
 
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import host_client
 
 BIN = Path(sys.executable).parent
 
@@ -90,3 +93,39 @@ def test_agent_refuses_a_busy_port_clearly(agent):
     assert proc.returncode == 1
     assert f"cannot listen on {agent.address}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.asyncio
+async def test_session_and_job_commands(agent):
+    async with (
+        host_client.Client(agent.address) as client,
+        await client.open_session(transport="tcp", label="cli-test") as session,
+    ):
+        src = await session.alloc(4096, readable=True)
+        job = await session.submit_rpc("crc32c", src)
+        done = await job
+        listing = await asyncio.to_thread(run, "dpuctl", "-t", agent.address, "session", "list")
+        assert listing.returncode == 0, listing.stderr
+        assert session.name in listing.stdout
+        assert "cli-test" in listing.stdout
+        jobs = await asyncio.to_thread(
+            run, "dpuctl", "-t", agent.address, "job", "list", session.name
+        )
+        assert f"{session.name}/jobs/{job.job_id}" in jobs.stdout
+        assert f"crc32c {done.crc32c:#010x}" in jobs.stdout
+        name = f"{session.name}/jobs/{job.job_id}"
+        got = await asyncio.to_thread(
+            run, "dpuctl", "-t", agent.address, "--json", "job", "get", name
+        )
+        assert json.loads(got.stdout)["state"] == "JOB_STATE_SUCCEEDED"
+        missing = await asyncio.to_thread(
+            run, "dpuctl", "-t", agent.address, "job", "get", f"{session.name}/jobs/999"
+        )
+        assert missing.returncode == 1
+        assert missing.stderr.startswith("dpuctl: NOT_FOUND")
+        closed = await asyncio.to_thread(
+            run, "dpuctl", "-t", agent.address, "session", "close", session.name
+        )
+        assert closed.returncode == 0, closed.stderr
+        after = await asyncio.to_thread(run, "dpuctl", "-t", agent.address, "session", "list")
+        assert session.name not in after.stdout
