@@ -1,0 +1,101 @@
+"""The volume store interface the storage service talks to.
+
+A backend keeps block volumes and applies their data services. The interface names
+volumes, byte offsets and lengths, nothing about files: an SPDK JSON-RPC backend
+(bdev_* calls, with SPDK's own crypto/compress bdevs) can implement it later without
+the service changing.
+
+The API is synchronous and thread-safe; the gRPC service calls it through
+`asyncio.to_thread`. Every method raises domain errors only (`dpu_agent.errors`,
+`dpu_agent.storage.errors.DataCorruption`):
+
+- InvalidArgument: a bad id, size, block size, key, or an I/O range that is unaligned,
+  empty, negative or past the end of the volume; nothing is written.
+- NotFound: no volume with that id. AlreadyExists: create with an id in use.
+- FailedPrecondition: shrinking over data without `force`, or the store is closed.
+- ResourceExhausted: the volume does not fit (size limit, free space), disk full.
+- DataCorruption: a block failed its CRC32C check or could not be decoded.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    import builtins
+    from types import TracebackType
+
+    from dpu_agent.storage.types import DataServices, VolumeInfo, VolumeStats
+
+
+class VolumeStore(abc.ABC):
+    """Block volumes with per-block data services. A context manager; `close()` twice is fine."""
+
+    @abc.abstractmethod
+    def create(
+        self,
+        volume_id: str,
+        size_bytes: int,
+        block_size: int,
+        services: DataServices,
+        key: bytes | None = None,
+    ) -> VolumeInfo:
+        """Create a volume that reads as zeros.
+
+        `key` is the 64-byte AES-XTS-256 key of an encrypted volume; None makes the
+        store generate one. The store keeps the key sealed and never returns it.
+        """
+
+    @abc.abstractmethod
+    def get(self, volume_id: str) -> VolumeInfo:
+        """Describe a volume."""
+
+    @abc.abstractmethod
+    def list(self) -> builtins.list[VolumeInfo]:
+        """Every volume, sorted by id."""
+
+    @abc.abstractmethod
+    def resize(self, volume_id: str, size_bytes: int, *, force: bool = False) -> VolumeInfo:
+        """Grow or shrink a volume; shrinking over written blocks needs `force` and drops them."""
+
+    @abc.abstractmethod
+    def delete(self, volume_id: str) -> None:
+        """Delete a volume, its data and its key."""
+
+    @abc.abstractmethod
+    def read(self, volume_id: str, offset: int, length: int) -> bytes:
+        """Read whole blocks; blocks never written (or trimmed) read as zeros."""
+
+    @abc.abstractmethod
+    def write(
+        self, volume_id: str, offset: int, data: bytes | memoryview, *, fua: bool = False
+    ) -> None:
+        """Write whole blocks; with `fua` the data is durable when the call returns."""
+
+    @abc.abstractmethod
+    def flush(self, volume_id: str) -> None:
+        """Make every write to the volume acknowledged so far durable."""
+
+    @abc.abstractmethod
+    def trim(self, volume_id: str, offset: int, length: int) -> None:
+        """Forget whole blocks: they read as zeros again and give their space back."""
+
+    @abc.abstractmethod
+    def stats(self, volume_id: str) -> VolumeStats:
+        """I/O counters of the volume since the store opened it."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush every volume and release the store's resources. Idempotent."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
