@@ -84,7 +84,7 @@ def agent_process(env: dict[str, str] | None = None) -> Iterator[str]:
                 "--log-level",
                 "warning",
             ],
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "DPU_AGENT_STORAGE_DIR": f"{tmp}/volumes", **(env or {})},
         )
         try:
             deadline = time.monotonic() + 60

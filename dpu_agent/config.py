@@ -21,6 +21,11 @@ Example file (every key optional):
     orphan_timeout = 10.0         # seconds a session lives with no host watching it
     chunk_size = 1048576          # bytes moved per RDMA op and staging buffer
 
+    [storage]
+    backend = "file"              # file (sparse files + SQLite; survives restarts) or memory
+    dir = ""                      # "" = $STATE_DIRECTORY/volumes (systemd) or
+                                  # ~/.local/state/dpu-agent/volumes
+
 Each key has an environment variable that overrides the file, e.g.
 `DPU_AGENT_LISTEN=0.0.0.0:50051`; `dpu-agent serve --help` lists them.
 """
@@ -31,6 +36,7 @@ import dataclasses
 import os
 import socket
 import tomllib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import logs
@@ -38,7 +44,6 @@ from dpu_wire import names
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
-    from pathlib import Path
 
 
 class ConfigError(Exception):
@@ -67,6 +72,8 @@ class AgentConfig:
     max_sessions: int = 64
     orphan_timeout: float = 10.0
     chunk_size: int = 1 << 20
+    storage_backend: str = "file"
+    storage_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +131,12 @@ def _transports(value: object, where: str) -> str:
 def _text(value: object, where: str) -> str:
     if not isinstance(value, str) or len(value) > 64:
         raise ConfigError(f"{where}: expected a string of at most 64 characters")
+    return value
+
+
+def _path(value: object, where: str) -> str:
+    if not isinstance(value, str) or len(value) > 4096:
+        raise ConfigError(f"{where}: expected a path")
     return value
 
 
@@ -215,7 +228,26 @@ SETTINGS: Final = (
         _integer(4096, 16 << 20),
         "bytes per RDMA op",
     ),
+    Setting(
+        "storage",
+        "backend",
+        "storage_backend",
+        "DPU_AGENT_STORAGE_BACKEND",
+        _choice("file", "memory"),
+        "volume store: file or memory",
+    ),
+    Setting("storage", "dir", "storage_dir", "DPU_AGENT_STORAGE_DIR", _path, "volume directory"),
 )
+
+
+def storage_dir(config: AgentConfig) -> Path:
+    """Where the file backend keeps volumes."""
+    if config.storage_dir:
+        return Path(config.storage_dir).expanduser()
+    state = os.environ.get("STATE_DIRECTORY")  # set by systemd's StateDirectory=
+    if state:
+        return Path(state.split(":")[0]) / "volumes"
+    return Path.home() / ".local" / "state" / "dpu-agent" / "volumes"
 
 
 def _from_file(path: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ turns them into status codes is `dpu_agent.status`.
     ├── Unavailable          a dependency is (temporarily) unreachable; retry
     ├── DeadlineExceeded     the work did not finish in the time allowed
     ├── Cancelled            the work was cancelled
+    ├── DataLoss             stored data is damaged (e.g. a CRC32C mismatch)
     └── NotImplementedYet    the API exists but this agent version does not serve it
 
 Messages are shown to the caller: they must never contain secrets.
@@ -59,6 +60,10 @@ class DeadlineExceeded(AgentError):
 
 class Cancelled(AgentError):
     """The work was cancelled."""
+
+
+class DataLoss(AgentError):
+    """Stored data failed an integrity check or cannot be decoded; nothing is returned."""
 
 
 class NotImplementedYet(AgentError):

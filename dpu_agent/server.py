@@ -16,13 +16,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dpu_agent import __version__, platform
+from dpu_agent.config import storage_dir
 from dpu_agent.dataplane import transports
 from dpu_agent.dataplane.manager import ManagerSettings, SessionManager
+from dpu_agent.errors import AgentError
 from dpu_agent.interceptor import RpcInterceptor
 from dpu_agent.services.agent_info import AgentInfoService
 from dpu_agent.services.jobs import JobService
 from dpu_agent.services.sessions import SessionService
+from dpu_agent.services.storage import StorageService
 from dpu_agent.services.unimplemented import unimplemented_handler
+from dpu_agent.storage import VolumeStore, open_store
 from dpu_wire.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -32,6 +36,7 @@ from dpu_wire.v1 import (
     session_pb2,
     session_pb2_grpc,
     storage_pb2,
+    storage_pb2_grpc,
     virtualization_pb2,
 )
 
@@ -56,10 +61,6 @@ class PlannedService:
 
 PLANNED_SERVICES: Final = (
     PlannedService(
-        storage_pb2.DESCRIPTOR.services_by_name["StorageService"],
-        "storage offload is not in this version yet",
-    ),
-    PlannedService(
         network_pb2.DESCRIPTOR.services_by_name["NetworkService"],
         "network offload is not in this version yet",
     ),
@@ -73,6 +74,7 @@ SERVED_SERVICES: Final = (
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"],
     session_pb2.DESCRIPTOR.services_by_name["SessionService"],
     job_pb2.DESCRIPTOR.services_by_name["JobService"],
+    storage_pb2.DESCRIPTOR.services_by_name["StorageService"],
 )
 
 
@@ -84,6 +86,21 @@ def capabilities() -> list[agent_pb2.Capability]:
         for p in PLANNED_SERVICES
     ]
     return served + planned
+
+
+def _open_store(config: AgentConfig) -> VolumeStore:
+    directory = storage_dir(config) if config.storage_backend == "file" else None
+    try:
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        store = open_store(config.storage_backend, directory)
+    except (AgentError, OSError) as exc:
+        where = f" at {directory}" if directory is not None else ""
+        raise OSError(
+            f"cannot open the {config.storage_backend} volume store{where}: {exc}"
+        ) from None
+    log.info("volume store open", extra={"backend": config.storage_backend, "dir": str(directory)})
+    return store
 
 
 def _is_loopback(listen: str) -> bool:
@@ -111,6 +128,7 @@ class AgentServer:
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.port = 0
         self.sessions: SessionManager | None = None
+        self.store: VolumeStore | None = None
 
     @property
     def address(self) -> str:
@@ -125,6 +143,7 @@ class AgentServer:
         start_time.GetCurrentTime()
         devices = await asyncio.to_thread(platform.rdma_devices)
         cfg = self.config
+        self.store = await asyncio.to_thread(_open_store, cfg)
         self.sessions = SessionManager(
             ManagerSettings(
                 max_sessions=cfg.max_sessions,
@@ -154,6 +173,7 @@ class AgentServer:
         )
         session_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(self.sessions), server)
         job_pb2_grpc.add_JobServiceServicer_to_server(JobService(self.sessions), server)
+        storage_pb2_grpc.add_StorageServiceServicer_to_server(StorageService(self.store), server)
         handlers = [unimplemented_handler(p.descriptor, p.reason) for p in PLANNED_SERVICES]
         server.add_generic_rpc_handlers([*handlers, *self._extra_handlers])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -196,6 +216,8 @@ class AgentServer:
             await self.sessions.drain(grace)
             await self.sessions.stop()
         await server.stop(max(0.0, grace - (time.monotonic() - started)))
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
         log.info("stopped")
 
 

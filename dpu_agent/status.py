@@ -22,6 +22,7 @@ STATUS_FOR: Final[dict[type[errors.AgentError], grpc.StatusCode]] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.Cancelled: grpc.StatusCode.CANCELLED,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
     errors.NotImplementedYet: grpc.StatusCode.UNIMPLEMENTED,
 }
 

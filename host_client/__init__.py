@@ -18,6 +18,7 @@ from host_client._completion import Completion
 from host_client._errors import (
     AlreadyExistsError,
     CancelledError,
+    DataLossError,
     DeadlineExceededError,
     DpuError,
     FailedPreconditionError,
@@ -45,6 +46,7 @@ __all__ = [
     "CancelledError",
     "Client",
     "Completion",
+    "DataLossError",
     "DeadlineExceededError",
     "DpuError",
     "FailedPreconditionError",

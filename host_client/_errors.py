@@ -11,7 +11,8 @@ DpuError                       code, message, request_id
 ├── DeadlineExceededError      DEADLINE_EXCEEDED
 ├── CancelledError             CANCELLED
 ├── UnimplementedError         UNIMPLEMENTED (this agent does not serve the call)
-└── InternalError              INTERNAL, UNKNOWN, DATA_LOSS
+├── DataLossError              DATA_LOSS (stored data failed its integrity check)
+└── InternalError              INTERNAL, UNKNOWN
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class UnimplementedError(DpuError):
     """The agent does not serve this call."""
 
 
+class DataLossError(DpuError):
+    """Stored data failed its integrity check (e.g. a CRC32C mismatch); nothing was returned."""
+
+
 class InternalError(DpuError):
     """The agent failed internally; its logs carry the request id."""
 
@@ -102,6 +107,7 @@ _ERROR_FOR: Final[dict[grpc.StatusCode, type[DpuError]]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.CANCELLED: CancelledError,
     grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+    grpc.StatusCode.DATA_LOSS: DataLossError,
 }
 
 

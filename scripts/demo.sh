@@ -10,6 +10,7 @@ rm -f "$DEMO/ready"
 step() { printf '\n== %s\n' "$*"; }
 
 step "starting dpu-agent on a free loopback port (logs: $DEMO/agent.log)"
+DPU_AGENT_STORAGE_DIR="$DEMO/volumes" \
 "$BIN/dpu-agent" serve --listen 127.0.0.1:0 --ready-file "$DEMO/ready" --log-format text \
     >"$DEMO/agent.log" 2>&1 &
 AGENT=$!

@@ -52,10 +52,10 @@ def start_agent(
     log_path = tmp_path / f"agent-{time.monotonic_ns()}.log"
     cmd = [*program, "serve", "--listen", "127.0.0.1:0"]
     cmd += ["--ready-file", str(ready), "--log-format", "json", *args]
+    volumes = tmp_path / f"volumes-{time.monotonic_ns()}"  # one store directory per agent
+    environ = {**os.environ, "DPU_AGENT_STORAGE_DIR": str(volumes), **(env or {})}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ)
     deadline = time.monotonic() + START_TIMEOUT
     while not ready.exists():
         if proc.poll() is not None:

@@ -22,11 +22,10 @@ async def test_agent_info_describes_the_agent(agent):
     assert info.kernel == os.uname().release
     assert info.start_time.seconds > 0
     services = {c.service: c for c in info.capabilities}
-    for name in ("AgentService", "SessionService", "JobService"):
+    for name in ("AgentService", "SessionService", "JobService", "StorageService"):
         assert services[f"dpu.v1.{name}"].available
     assert list(info.transports) == [agent_pb2.TRANSPORT_TCP]  # no RDMA device on the host
     for name in (
-        "StorageService",
         "NetworkService",
         "VirtualizationService",
     ):
@@ -45,12 +44,6 @@ async def test_health_overall_and_per_service(agent):
 async def test_planned_services_answer_unimplemented_with_a_reason(agent):
     async with host_client.Client(agent.address) as client:
         stubs = client.stubs
-        with pytest.raises(
-            host_client.UnimplementedError, match=r"StorageService\.GetVolume is not served"
-        ):
-            await client._call(
-                stubs.storage.GetVolume, storage_pb2.GetVolumeRequest(name="volumes/v1")
-            )
         with pytest.raises(host_client.UnimplementedError, match=r"NetworkService\.ListPorts"):
             await client._call(stubs.network.ListPorts, network_pb2.ListPortsRequest())
 

@@ -45,6 +45,7 @@ def test_agent_statuses_round_trip_to_sdk_errors():
         grpc.StatusCode.UNAVAILABLE: host_client.UnavailableError,
         grpc.StatusCode.DEADLINE_EXCEEDED: host_client.DeadlineExceededError,
         grpc.StatusCode.CANCELLED: host_client.CancelledError,
+        grpc.StatusCode.DATA_LOSS: host_client.DataLossError,
         grpc.StatusCode.UNIMPLEMENTED: host_client.UnimplementedError,
     }
     for code in STATUS_FOR.values():

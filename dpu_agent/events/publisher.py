@@ -1,0 +1,517 @@
+"""The agent's event plane: completions, status and telemetry to an MQTT broker (aiomqtt).
+
+The data plane hands every finished job to `MqttEventPublisher.publish_completion`,
+which only encodes it and appends it to an in-memory backlog: it never waits, never
+raises, and works whether or not a broker is reachable. A background task owns the
+connection:
+
+    connect ──▶ publish status "online" (retained) ──▶ send the backlog in order,
+       ▲        up to `window` QoS 1 messages awaiting PUBACK; telemetry every N s
+       │                               │ connection lost / publish failed
+       └── backoff (doubling, capped, ─┘ unacknowledged messages go back to the
+           with jitter)                  front of the backlog, in order
+
+A message leaves the backlog only when the broker acknowledged it, so a broker that
+is down or restarting loses nothing the backlog can hold (QoS 1: a message whose
+PUBACK was lost is sent again, so a subscriber may see a duplicate). When the backlog
+is full (`backlog` messages) new completions are refused and counted as `dropped`.
+
+`stop()` sends what it can of the backlog within `flush_timeout`, publishes status
+"offline" (retained) and disconnects cleanly. If the agent dies or its link is cut,
+the broker publishes the will instead: the same retained "offline", with reason
+"connection lost". Topics and payloads are in `dpu_agent.events.payloads`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import math
+import random
+import time
+from typing import TYPE_CHECKING, Final, Self
+
+import aiomqtt
+
+from dpu_agent import __version__
+from dpu_agent.events import payloads
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from types import TracebackType
+
+    from dpu_agent.dataplane.jobs import JobRecord
+    from dpu_agent.dataplane.session import Session
+
+log = logging.getLogger(__name__)
+
+_U64: Final = (1 << 64) - 1
+_OFFLINE_TIMEOUT: Final = 2.0  # seconds the "offline" status gets on the way out
+
+
+@dataclasses.dataclass(frozen=True)
+class MqttSettings:
+    """Where the broker is and how the publisher behaves.
+
+    Attributes:
+        host: broker host name or address.
+        port: broker TCP port.
+        client_id: MQTT client identifier; "" = "dpu-agent-{agent id}". It must be
+            unique on the broker: a second client with the same id takes the
+            connection over (and the first one's will fires).
+        username: user name, or None for an anonymous connection.
+        password: password (never logged, not in repr).
+        keepalive: seconds between MQTT pings; the broker declares the agent gone
+            (and publishes its will) after 1.5 times this without traffic.
+        backlog: completions held while the broker is slow or away; more are dropped.
+        window: QoS 1 messages sent and not yet acknowledged, at most. 64 is the
+            fastest on loopback; aiomqtt's cost per publish grows with the number
+            pending, so a much larger window is slower, not faster.
+        telemetry_interval: seconds between telemetry messages; 0 turns them off.
+        topic_prefix: first levels of every topic.
+        reconnect_min: first reconnection delay, seconds (doubles per failure).
+        reconnect_max: longest reconnection delay, seconds.
+        publish_timeout: seconds to wait for a CONNACK or PUBACK before declaring
+            the connection dead.
+        flush_timeout: seconds `stop()` spends sending the backlog.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    client_id: str = ""
+    username: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    keepalive: int = 30
+    backlog: int = 100_000
+    window: int = 64
+    telemetry_interval: float = 10.0
+    topic_prefix: str = payloads.DEFAULT_PREFIX
+    reconnect_min: float = 0.5
+    reconnect_max: float = 30.0
+    publish_timeout: float = 10.0
+    flush_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        payloads.check_prefix(self.topic_prefix)
+        if not 0 < self.port < 65536:
+            raise ValueError(f"mqtt port must be 1-65535, not {self.port}")
+        checks = {
+            "keepalive": 5 <= self.keepalive <= 65535,
+            "backlog": self.backlog >= 1,
+            "window": 1 <= self.window <= 65535,
+            "telemetry_interval": self.telemetry_interval >= 0,
+            "reconnect_min": 0 < self.reconnect_min <= self.reconnect_max,
+            "publish_timeout": self.publish_timeout > 0,
+            "flush_timeout": self.flush_timeout >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"mqtt {name} is out of range: {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(slots=True)
+class _Counters:
+    queued: int = 0
+    published: int = 0
+    dropped: int = 0
+    rejected: int = 0
+    connects: int = 0
+    connect_failures: int = 0
+    telemetry: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Message:
+    topic: str
+    payload: bytes
+
+
+class MqttEventPublisher:
+    """Publishes the agent's events; start it once, stop it once.
+
+    Use it as an async context manager, or call `start()` and `stop()`. Every method
+    runs on the event loop's thread.
+    """
+
+    def __init__(
+        self,
+        settings: MqttSettings,
+        agent_id: str,
+        *,
+        version: str = __version__,
+        started_ns: int | None = None,
+        telemetry_source: Callable[[], Mapping[str, object]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.agent_id = agent_id
+        self.telemetry_source = telemetry_source
+        self._version = version
+        self._started_ns = time.time_ns() if started_ns is None else started_ns
+        self._started = time.monotonic()
+        prefix = settings.topic_prefix
+        self._status_topic = payloads.status_topic(prefix, agent_id)
+        self._telemetry_topic = payloads.telemetry_topic(prefix, agent_id)
+        self._client_id = settings.client_id or f"dpu-agent-{agent_id}"
+        self._backlog: collections.deque[_Message] = collections.deque()
+        self._inflight: dict[int, _Message] = {}  # sent, awaiting PUBACK; in send order
+        self._next_seq = 0
+        self._counters = _Counters()
+        self._wake = asyncio.Event()
+        self._link_error: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._stopping = asyncio.Event()  # set with _closing, to wake the backoff
+        self._closed = False
+        self._flush_deadline = math.inf
+        self._connected = asyncio.Event()
+        self._overflow_logged = False
+        self._telemetry_failing = False
+        self._mqtt: aiomqtt.Client | None = None  # the current connection (for tests)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Self:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    def start(self) -> None:
+        """Start connecting in the background; returns at once (the broker may be down)."""
+        if self._task is not None or self._closed:
+            raise RuntimeError("MqttEventPublisher.start() called twice")
+        self._task = asyncio.create_task(self._run(), name="mqtt-events")
+
+    async def stop(self, flush_timeout: float | None = None) -> None:
+        """Send the backlog (up to `flush_timeout` s), publish "offline", disconnect."""
+        task = self._task
+        if task is None or self._closing:
+            self._closed = True
+            return
+        wait = self.settings.flush_timeout if flush_timeout is None else flush_timeout
+        self._flush_deadline = time.monotonic() + wait
+        self._closing = True
+        self._stopping.set()
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), wait + 2 * _OFFLINE_TIMEOUT + 1.0)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._closed = True
+        unsent = len(self._backlog) + len(self._inflight)
+        if unsent:
+            log.warning("events not delivered at shutdown", extra={"unsent": unsent})
+
+    @property
+    def connected(self) -> bool:
+        """Whether the publisher holds a connection to the broker now."""
+        return self._connected.is_set()
+
+    async def wait_connected(self) -> None:
+        """Wait until the publisher is connected and has published "online"."""
+        await self._connected.wait()
+
+    # ------------------------------------------------------------------ the producer side
+    def publish_completion(self, session: Session, job: JobRecord) -> None:
+        """Queue a finished job's completion. Never blocks, never raises.
+
+        The signature of `Session(on_completion=...)`. Works before `start()` (the
+        backlog waits for the connection); after `stop()` completions are dropped.
+        """
+        counters = self._counters
+        try:
+            if self._closed:
+                counters.dropped += 1
+                return
+            if len(self._backlog) + len(self._inflight) >= self.settings.backlog:
+                counters.dropped += 1
+                if not self._overflow_logged:
+                    self._overflow_logged = True
+                    log.warning(
+                        "event backlog full; dropping completions until it drains",
+                        extra={"backlog": self.settings.backlog},
+                    )
+                return
+            message = _Message(
+                payloads.completion_topic(
+                    self.settings.topic_prefix,
+                    self.agent_id,
+                    session.tenant,
+                    session.session_id,
+                    job.job_id,
+                ),
+                payloads.completion_payload(session.session_id, job),
+            )
+        except Exception:
+            counters.rejected += 1
+            log.exception("cannot encode a completion event", extra={"job": job.job_id})
+            return
+        self._backlog.append(message)
+        counters.queued += 1
+        self._wake.set()
+
+    def stats(self) -> dict[str, int]:
+        """Counters (64-bit, wrapping) and gauges of the event plane.
+
+        queued: completions accepted into the backlog. published: completions the
+        broker acknowledged (each once; queued == published + unsent). dropped:
+        completions refused because the backlog was full or the publisher stopped.
+        rejected: completions that could not be encoded (logged). unsent: in the
+        backlog now, waiting or awaiting their PUBACK. reconnects: successful
+        connections after the first. connect_failures: connection attempts that
+        failed. telemetry: telemetry reports sent. connected: 1 while connected.
+        """
+        c = self._counters
+        return {
+            "queued": c.queued & _U64,
+            "published": c.published & _U64,
+            "dropped": c.dropped & _U64,
+            "rejected": c.rejected & _U64,
+            "unsent": len(self._backlog) + len(self._inflight),
+            "reconnects": max(0, c.connects - 1) & _U64,
+            "connect_failures": c.connect_failures & _U64,
+            "telemetry": c.telemetry & _U64,
+            "connected": int(self._connected.is_set()),
+        }
+
+    # ------------------------------------------------------------------ the connection
+    def _client(self) -> aiomqtt.Client:
+        s = self.settings
+        offline = payloads.status_payload(
+            payloads.STATUS_OFFLINE,
+            self.agent_id,
+            self._version,
+            self._started_ns,
+            payloads.REASON_CONNECTION_LOST,
+        )
+        client = aiomqtt.Client(
+            s.host,
+            s.port,
+            username=s.username,
+            password=s.password,
+            identifier=self._client_id,
+            will=aiomqtt.Will(self._status_topic, offline, qos=1, retain=True),
+            clean_session=True,
+            keepalive=s.keepalive,
+            timeout=s.publish_timeout,
+            max_inflight_messages=s.window,
+        )
+        client.pending_calls_threshold = s.window + 16  # aiomqtt warns above this
+        return client
+
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            if self._closing and not self._backlog:
+                return  # stopping while disconnected, nothing to flush: the will said offline
+            client = self._client()
+            try:
+                async with client:
+                    attempt = 0
+                    await self._connected_session(client)
+                    return  # stopping: backlog flushed, "offline" published
+            except (aiomqtt.MqttError, OSError) as exc:
+                self._lost(exc, attempt, connecting=not self._connected.is_set())
+            except Exception:
+                log.exception("event publisher failed; reconnecting")
+            finally:
+                self._connected.clear()
+                self._mqtt = None
+                _read_disconnect_reason(client)
+            attempt += 1
+            delay = _backoff(attempt, self.settings.reconnect_min, self.settings.reconnect_max)
+            if self._closing:
+                remaining = self._flush_deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                await asyncio.sleep(min(delay, remaining))
+            else:
+                # stop() cuts the wait short: it wants one more try at flushing
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+
+    def _lost(self, exc: BaseException, attempt: int, *, connecting: bool) -> None:
+        where = {"broker": f"{self.settings.host}:{self.settings.port}", "error": str(exc)}
+        unsent = len(self._backlog) + len(self._inflight)
+        if connecting:
+            self._counters.connect_failures += 1
+            level = logging.WARNING if attempt == 0 else logging.DEBUG
+            log.log(level, "event broker unreachable; retrying", extra={**where, "unsent": unsent})
+        else:
+            log.warning("event broker connection lost", extra={**where, "unsent": unsent})
+
+    async def _connected_session(self, client: aiomqtt.Client) -> None:
+        self._link_error = None
+        self._mqtt = client
+        try:
+            await client.publish(self._status_topic, self._status("online"), qos=1, retain=True)
+            self._counters.connects += 1
+            self._connected.set()
+            log.info(
+                "event broker connected",
+                extra={
+                    "broker": f"{self.settings.host}:{self.settings.port}",
+                    "client_id": self._client_id,
+                    "unsent": len(self._backlog),
+                },
+            )
+            await self._pump(client)
+            await client.publish(
+                self._status_topic,
+                self._status("offline"),
+                qos=1,
+                retain=True,
+                timeout=_OFFLINE_TIMEOUT,
+            )
+        except asyncio.CancelledError:
+            # Cancelled without stop(): aiomqtt's exit sends DISCONNECT, which discards
+            # the will, so say "offline" ourselves (best effort).
+            with contextlib.suppress(aiomqtt.MqttError):
+                await client.publish(
+                    self._status_topic,
+                    self._status("offline"),
+                    qos=1,
+                    retain=True,
+                    timeout=_OFFLINE_TIMEOUT,
+                )
+            raise
+
+    def _status(self, state: str) -> bytes:
+        if state == payloads.STATUS_ONLINE:
+            return payloads.status_payload(
+                payloads.STATUS_ONLINE, self.agent_id, self._version, self._started_ns
+            )
+        return payloads.status_payload(
+            payloads.STATUS_OFFLINE,
+            self.agent_id,
+            self._version,
+            self._started_ns,
+            payloads.REASON_SHUTDOWN,
+        )
+
+    async def _pump(self, client: aiomqtt.Client) -> None:
+        """Send the backlog until the link fails (raise) or stop() is done with it (return)."""
+        watch = asyncio.create_task(_until_disconnected(client))
+        watch.add_done_callback(lambda _: self._wake.set())
+        tasks: set[asyncio.Task[None]] = set()
+        if self.settings.telemetry_interval > 0:
+            tasks.add(asyncio.create_task(self._telemetry(client)))
+        window = self.settings.window
+        try:
+            while True:
+                while self._backlog and len(self._inflight) < window:
+                    message = self._backlog.popleft()
+                    seq = self._next_seq
+                    self._next_seq += 1
+                    self._inflight[seq] = message
+                    task = asyncio.create_task(self._send(client, seq, message))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if self._link_error is not None:
+                    raise self._link_error
+                timeout = None
+                if self._closing:
+                    timeout = self._flush_deadline - time.monotonic()
+                    if not (self._backlog or self._inflight) or timeout <= 0:
+                        return
+                self._wake.clear()
+                if timeout is None:
+                    await self._wake.wait()
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                if watch.done():
+                    watch.result()  # raises the reason the connection ended
+        finally:
+            for task in (watch, *tasks):
+                task.cancel()
+            await asyncio.gather(watch, *tasks, return_exceptions=True)
+            self._requeue()
+
+    async def _send(self, client: aiomqtt.Client, seq: int, message: _Message) -> None:
+        try:
+            await client.publish(message.topic, message.payload, qos=1)
+        except aiomqtt.MqttError as exc:
+            if self._link_error is None:
+                self._link_error = exc
+        else:
+            if self._inflight.pop(seq, None) is not None:
+                self._counters.published += 1
+        self._wake.set()
+
+    def _requeue(self) -> None:
+        """Put unacknowledged messages back at the front of the backlog, in order."""
+        if self._inflight:
+            self._backlog.extendleft(reversed(self._inflight.values()))
+            self._inflight.clear()
+        if self._overflow_logged and not self._backlog:
+            self._overflow_logged = False
+
+    async def _telemetry(self, client: aiomqtt.Client) -> None:
+        while True:
+            payload = self._telemetry_payload()
+            if payload is not None:
+                try:
+                    await client.publish(self._telemetry_topic, payload, qos=0)
+                except aiomqtt.MqttError as exc:
+                    if self._link_error is None:
+                        self._link_error = exc
+                    self._wake.set()
+                    return
+                self._counters.telemetry += 1
+            await asyncio.sleep(self.settings.telemetry_interval)
+
+    def _telemetry_payload(self) -> bytes | None:
+        try:
+            stats = self.telemetry_source() if self.telemetry_source is not None else {}
+            payload = payloads.telemetry_payload(
+                self.agent_id,
+                time.time_ns(),
+                time.monotonic() - self._started,
+                stats,
+                self.stats(),
+            )
+        except Exception:
+            if not self._telemetry_failing:
+                log.exception("telemetry source failed; skipping reports until it works")
+            self._telemetry_failing = True
+            return None
+        self._telemetry_failing = False
+        return payload
+
+
+def _read_disconnect_reason(client: aiomqtt.Client) -> None:
+    """Mark the reason a connection ended as read.
+
+    aiomqtt 2.5 keeps it in a future that its __aexit__ skips when the link is already
+    down; unread, asyncio logs "Future exception was never retrieved".
+    """
+    reason = client._disconnected  # noqa: SLF001 - see above
+    if reason.done() and not reason.cancelled():
+        reason.exception()
+
+
+async def _until_disconnected(client: aiomqtt.Client) -> None:
+    """Return never; raise MqttError when the client's connection ends.
+
+    The publisher subscribes to nothing, so aiomqtt's message iterator only ever ends,
+    with the reason the connection was lost.
+    """
+    async for _ in client.messages:
+        pass
+
+
+def _backoff(attempt: int, low: float, high: float) -> float:
+    """Delay before reconnection `attempt` (1, 2, ...): doubling, capped, half of it jitter."""
+    ceiling = min(high, low * (1 << min(attempt - 1, 32)))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)  # noqa: S311 - jitter, not a secret

@@ -1,0 +1,161 @@
+"""StorageService: block volumes on the DPU (a thin gRPC layer over the volume store)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Final
+
+from dpu_agent.errors import InvalidArgument
+from dpu_agent.services.convert import timestamp
+from dpu_agent.storage import Compression, DataServices, Encryption
+from dpu_wire import names
+from dpu_wire.v1 import common_pb2, storage_pb2, storage_pb2_grpc
+
+if TYPE_CHECKING:
+    import grpc
+
+    from dpu_agent.storage import VolumeInfo, VolumeStats, VolumeStore
+
+DEFAULT_TENANT: Final = "default"
+MAX_PAGE_SIZE: Final = 500
+DEFAULT_PAGE_SIZE: Final = 100
+
+_COMPRESSION: Final = {
+    storage_pb2.COMPRESSION_UNSPECIFIED: Compression.NONE,
+    storage_pb2.COMPRESSION_NONE: Compression.NONE,
+    storage_pb2.COMPRESSION_LZ4: Compression.LZ4,
+    storage_pb2.COMPRESSION_ZSTD: Compression.ZSTD,
+}
+_ENCRYPTION: Final = {
+    storage_pb2.ENCRYPTION_UNSPECIFIED: Encryption.NONE,
+    storage_pb2.ENCRYPTION_NONE: Encryption.NONE,
+    storage_pb2.ENCRYPTION_AES_XTS_256: Encryption.AES_XTS_256,
+}
+_COMPRESSION_OUT: Final = {
+    Compression.NONE: storage_pb2.COMPRESSION_NONE,
+    Compression.LZ4: storage_pb2.COMPRESSION_LZ4,
+    Compression.ZSTD: storage_pb2.COMPRESSION_ZSTD,
+}
+_ENCRYPTION_OUT: Final = {
+    Encryption.NONE: storage_pb2.ENCRYPTION_NONE,
+    Encryption.AES_XTS_256: storage_pb2.ENCRYPTION_AES_XTS_256,
+}
+
+
+def volume_id(name: str) -> str:
+    """The id in "volumes/{id}"."""
+    (ident,) = names.parse_name(name, "volumes")
+    return ident
+
+
+def to_proto(info: VolumeInfo, stats: VolumeStats | None = None) -> storage_pb2.Volume:
+    """The API form of a volume (never its key)."""
+    volume = storage_pb2.Volume(
+        name=f"volumes/{info.volume_id}",
+        size_bytes=info.size_bytes,
+        block_size=info.block_size,
+        data_services=storage_pb2.DataServices(
+            crc32c=info.services.crc32c,
+            compression=_COMPRESSION_OUT[info.services.compression],
+            encryption=_ENCRYPTION_OUT[info.services.encryption],
+        ),
+        tenant=DEFAULT_TENANT,
+        times=common_pb2.ResourceTimes(
+            create_time=timestamp(info.create_ns), update_time=timestamp(info.update_ns)
+        ),
+    )
+    if stats is not None:
+        volume.stats.CopyFrom(
+            storage_pb2.VolumeStats(
+                read_ops=stats.read_ops,
+                write_ops=stats.write_ops,
+                read_bytes=stats.read_bytes,
+                write_bytes=stats.write_bytes,
+                errors=stats.errors,
+                latency_bounds_us=stats.latency_bounds_us,
+                latency_counts=stats.latency_counts,
+            )
+        )
+    return volume
+
+
+class StorageService(storage_pb2_grpc.StorageServiceServicer):
+    """Create, inspect, resize and delete volumes; the store does the work in a thread."""
+
+    def __init__(self, store: VolumeStore) -> None:
+        self._store = store
+        self._created: dict[str, str] = {}  # request_id -> volume id (idempotent create)
+
+    async def _volume(self, ident: str) -> storage_pb2.Volume:
+        info = await asyncio.to_thread(self._store.get, ident)
+        stats = await asyncio.to_thread(self._store.stats, ident)
+        return to_proto(info, stats)
+
+    async def CreateVolume(
+        self, request: storage_pb2.CreateVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> storage_pb2.Volume:
+        """Create a volume with its data services; the key is sealed, never returned."""
+        if request.request_id and request.request_id in self._created:
+            return await self._volume(self._created[request.request_id])
+        spec = request.volume
+        if spec.size_bytes == 0:
+            raise InvalidArgument("volume.size_bytes is required")
+        services = DataServices(
+            crc32c=spec.data_services.crc32c,
+            compression=_COMPRESSION[spec.data_services.compression],
+            encryption=_ENCRYPTION[spec.data_services.encryption],
+        )
+        info = await asyncio.to_thread(
+            self._store.create,
+            request.volume_id,
+            spec.size_bytes,
+            spec.block_size or 4096,
+            services,
+            request.encryption_key or None,
+        )
+        if request.request_id:
+            self._created[request.request_id] = info.volume_id
+        return to_proto(info)
+
+    async def GetVolume(
+        self, request: storage_pb2.GetVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> storage_pb2.Volume:
+        """One volume with its statistics."""
+        return await self._volume(volume_id(request.name))
+
+    async def ListVolumes(
+        self, request: storage_pb2.ListVolumesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> storage_pb2.ListVolumesResponse:
+        """A page of volumes in id order; the token is the last id returned."""
+        volumes = await asyncio.to_thread(self._store.list)
+        after = request.page_token
+        if after:
+            try:
+                names.check_id(after)
+            except names.InvalidNameError:
+                raise InvalidArgument("page_token is not one this agent issued") from None
+        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        later = [v for v in volumes if v.volume_id > after]
+        page = later[:size]
+        token = page[-1].volume_id if len(later) > size else ""
+        return storage_pb2.ListVolumesResponse(
+            volumes=[to_proto(v) for v in page], next_page_token=token
+        )
+
+    async def ResizeVolume(
+        self, request: storage_pb2.ResizeVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> storage_pb2.Volume:
+        """Grow a volume, or shrink it (over written data only with force)."""
+        info = await asyncio.to_thread(
+            lambda: self._store.resize(
+                volume_id(request.name), request.size_bytes, force=request.force
+            )
+        )
+        return to_proto(info)
+
+    async def DeleteVolume(
+        self, request: storage_pb2.DeleteVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> storage_pb2.DeleteVolumeResponse:
+        """Delete a volume and its data."""
+        await asyncio.to_thread(self._store.delete, volume_id(request.name))
+        return storage_pb2.DeleteVolumeResponse()
