@@ -26,6 +26,19 @@ Example file (every key optional):
     dir = ""                      # "" = $STATE_DIRECTORY/volumes (systemd) or
                                   # ~/.local/state/dpu-agent/volumes
 
+    [mqtt]
+    enabled = false               # publish completions, status and telemetry
+    host = "127.0.0.1"
+    port = 1883
+    client_id = ""                # "" = dpu-agent-{agent id}
+    username = ""                 # "" = anonymous
+    password_file = ""            # the password is read from this file, never configured inline
+    keepalive = 30
+    backlog = 100000              # events kept while the broker is away
+    telemetry_interval = 10.0     # seconds; 0 = no telemetry
+    topic_prefix = "dpu/v1"
+    flush_timeout = 5.0           # seconds shutdown waits to send the backlog
+
 Each key has an environment variable that overrides the file, e.g.
 `DPU_AGENT_LISTEN=0.0.0.0:50051`; `dpu-agent serve --help` lists them.
 """
@@ -74,6 +87,17 @@ class AgentConfig:
     chunk_size: int = 1 << 20
     storage_backend: str = "file"
     storage_dir: str = ""
+    mqtt_enabled: bool = False
+    mqtt_host: str = "127.0.0.1"
+    mqtt_port: int = 1883
+    mqtt_client_id: str = ""
+    mqtt_username: str = ""
+    mqtt_password_file: str = ""
+    mqtt_keepalive: int = 30
+    mqtt_backlog: int = 100_000
+    mqtt_telemetry_interval: float = 10.0
+    mqtt_topic_prefix: str = "dpu/v1"
+    mqtt_flush_timeout: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +156,32 @@ def _text(value: object, where: str) -> str:
     if not isinstance(value, str) or len(value) > 64:
         raise ConfigError(f"{where}: expected a string of at most 64 characters")
     return value
+
+
+def _boolean(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in {
+        "true",
+        "1",
+        "yes",
+        "on",
+        "false",
+        "0",
+        "no",
+        "off",
+    }:
+        return value.lower() in {"true", "1", "yes", "on"}
+    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
+def _topic_prefix(value: object, where: str) -> str:
+    from dpu_agent.events.payloads import TopicError, check_prefix  # noqa: PLC0415
+
+    try:
+        return check_prefix(_text(value, where))
+    except TopicError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _path(value: object, where: str) -> str:
@@ -237,6 +287,22 @@ SETTINGS: Final = (
         "volume store: file or memory",
     ),
     Setting("storage", "dir", "storage_dir", "DPU_AGENT_STORAGE_DIR", _path, "volume directory"),
+    *(
+        Setting("mqtt", key, f"mqtt_{key}", f"DPU_AGENT_MQTT_{key.upper()}", parse, text)
+        for key, parse, text in (
+            ("enabled", _boolean, "publish events over MQTT (true/false)"),
+            ("host", _text, "broker host"),
+            ("port", _integer(1, 65535), "broker port"),
+            ("client_id", _text, "MQTT client id"),
+            ("username", _text, "broker user name"),
+            ("password_file", _path, "file holding the broker password"),
+            ("keepalive", _integer(5, 65535), "MQTT keepalive seconds"),
+            ("backlog", _integer(1, 10_000_000), "events kept while the broker is away"),
+            ("telemetry_interval", _seconds, "seconds between telemetry (0 = off)"),
+            ("topic_prefix", _topic_prefix, "topic prefix"),
+            ("flush_timeout", _seconds, "seconds to send the backlog at shutdown"),
+        )
+    ),
 )
 
 

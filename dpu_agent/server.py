@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import signal
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import grpc
@@ -16,10 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dpu_agent import __version__, platform
-from dpu_agent.config import storage_dir
+from dpu_agent.config import ConfigError, storage_dir
 from dpu_agent.dataplane import transports
 from dpu_agent.dataplane.manager import ManagerSettings, SessionManager
 from dpu_agent.errors import AgentError
+from dpu_agent.events import MqttEventPublisher, MqttSettings
+from dpu_agent.events.payloads import session_stats
 from dpu_agent.interceptor import RpcInterceptor
 from dpu_agent.services.agent_info import AgentInfoService
 from dpu_agent.services.jobs import JobService
@@ -41,8 +44,7 @@ from dpu_wire.v1 import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
-    from pathlib import Path
+    from collections.abc import Callable, Iterable, Sequence
 
     from dpu_agent.config import AgentConfig
 
@@ -88,6 +90,41 @@ def capabilities() -> list[agent_pb2.Capability]:
     return served + planned
 
 
+def _event_publisher(
+    config: AgentConfig,
+    start_time: timestamp_pb2.Timestamp,
+    telemetry: Callable[[], dict[str, object]],
+) -> MqttEventPublisher:
+    password = None
+    if config.mqtt_password_file:
+        try:
+            text = Path(config.mqtt_password_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"mqtt.password_file: cannot read: {exc.strerror}") from None
+        password = text.rstrip("\r\n")
+    try:
+        settings = MqttSettings(
+            host=config.mqtt_host,
+            port=config.mqtt_port,
+            client_id=config.mqtt_client_id,
+            username=config.mqtt_username or None,
+            password=password,
+            keepalive=config.mqtt_keepalive,
+            backlog=config.mqtt_backlog,
+            telemetry_interval=config.mqtt_telemetry_interval,
+            topic_prefix=config.mqtt_topic_prefix,
+            flush_timeout=config.mqtt_flush_timeout,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"mqtt: {exc}") from None
+    return MqttEventPublisher(
+        settings,
+        config.agent_id,
+        started_ns=start_time.ToNanoseconds(),
+        telemetry_source=telemetry,
+    )
+
+
 def _open_store(config: AgentConfig) -> VolumeStore:
     directory = storage_dir(config) if config.storage_backend == "file" else None
     try:
@@ -129,6 +166,7 @@ class AgentServer:
         self.port = 0
         self.sessions: SessionManager | None = None
         self.store: VolumeStore | None = None
+        self.events: MqttEventPublisher | None = None
 
     @property
     def address(self) -> str:
@@ -144,6 +182,8 @@ class AgentServer:
         devices = await asyncio.to_thread(platform.rdma_devices)
         cfg = self.config
         self.store = await asyncio.to_thread(_open_store, cfg)
+        if cfg.mqtt_enabled:
+            self.events = _event_publisher(cfg, start_time, self._session_stats)
         self.sessions = SessionManager(
             ManagerSettings(
                 max_sessions=cfg.max_sessions,
@@ -152,6 +192,7 @@ class AgentServer:
                 chunk_size=cfg.chunk_size,
             ),
             transports.factories(cfg, devices),
+            on_completion=self.events.publish_completion if self.events else None,
         )
         server = grpc.aio.server(
             interceptors=[RpcInterceptor()],
@@ -194,6 +235,8 @@ class AgentServer:
             raise OSError(f"cannot listen on {self.config.listen}: {exc}") from None
         await server.start()
         self.sessions.start()
+        if self.events is not None:
+            self.events.start()
         self._server = server
         for name in (*[s.full_name for s in SERVED_SERVICES], health.OVERALL_HEALTH):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -202,6 +245,9 @@ class AgentServer:
             extra={"address": self.address, "agent": self.config.agent_id, "version": __version__},
         )
         return self.address
+
+    def _session_stats(self) -> dict[str, object]:
+        return session_stats(self.sessions.sessions() if self.sessions else [])
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting RPCs; give in-flight ones `grace` seconds, then cancel them."""
@@ -216,6 +262,8 @@ class AgentServer:
             await self.sessions.drain(grace)
             await self.sessions.stop()
         await server.stop(max(0.0, grace - (time.monotonic() - started)))
+        if self.events is not None:
+            await self.events.stop()  # the last completions, then the retained "offline"
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
         log.info("stopped")

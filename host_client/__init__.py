@@ -30,6 +30,13 @@ from host_client._errors import (
     UnavailableError,
     UnimplementedError,
 )
+from host_client._events import (
+    AgentStatus,
+    CompletionEvent,
+    EventSubscriber,
+    Subscription,
+    Telemetry,
+)
 from host_client._session import Buffer, BufferRef, Job, Session
 from host_client._sync import SyncClient
 
@@ -40,15 +47,18 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a bare
 
 __all__ = [
     "DEFAULT_TARGET",
+    "AgentStatus",
     "AlreadyExistsError",
     "Buffer",
     "BufferRef",
     "CancelledError",
     "Client",
     "Completion",
+    "CompletionEvent",
     "DataLossError",
     "DeadlineExceededError",
     "DpuError",
+    "EventSubscriber",
     "FailedPreconditionError",
     "InternalError",
     "InvalidArgumentError",
@@ -58,7 +68,9 @@ __all__ = [
     "ResourceExhaustedError",
     "Session",
     "Stubs",
+    "Subscription",
     "SyncClient",
+    "Telemetry",
     "UnavailableError",
     "UnimplementedError",
     "__version__",
