@@ -193,6 +193,7 @@ class AgentServer:
             ),
             transports.factories(cfg, devices),
             on_completion=self.events.publish_completion if self.events else None,
+            store=self.store,
         )
         server = grpc.aio.server(
             interceptors=[RpcInterceptor()],

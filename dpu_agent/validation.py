@@ -29,6 +29,8 @@ NAME_FIELDS: Final[dict[str, dict[str, tuple[str, ...]]]] = {
     "CloseSessionRequest": {"name": ("sessions",)},
     "AdvertiseRegionsRequest": {"session": ("sessions",)},
     "WithdrawRegionRequest": {"name": ("sessions", "regions")},
+    "AttachVolumeRequest": {"session": ("sessions",), "volume": ("volumes",)},
+    "DetachVolumeRequest": {"session": ("sessions",), "volume": ("volumes",)},
     "SubmitJobRequest": {"session": ("sessions",)},
     "GetJobRequest": {"name": ("sessions", "jobs")},
     "ListJobsRequest": {"session": ("sessions",)},

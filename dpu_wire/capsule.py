@@ -11,14 +11,19 @@ same 16-byte header:
     4      4    length      total capsule length in bytes, header included
     8      8    job_id      chosen by the host, unique among its session's open jobs
 
-SUBMIT (64 bytes):
+SUBMIT (80 bytes):
 
-    16     2    kind        1 COPY, 2 CRC32C
-    18     2    flags       0 (reserved; non-zero is rejected)
+    16     2    kind        1 COPY, 2 CRC32C, 3 VOLUME_WRITE, 4 VOLUME_READ,
+                            5 VOLUME_FLUSH, 6 VOLUME_TRIM
+    18     2    flags       bit 0 FUA (VOLUME_WRITE only: durable before completion);
+                            other bits reserved, non-zero is rejected
     20     4    deadline_ms time allowed from receipt to completion, 0 = agent default
-    24     16   source      span: addr u64, length u32, rkey u32
-    40     16   destination span (zero for kinds without output)
-    56     8    arg         kind-specific, 0 for COPY and CRC32C
+    24     16   source      span: addr u64, length u32, rkey u32 (host memory READ)
+    40     16   destination span (host memory WRITTEN; zero for kinds without output)
+    56     8    offset      volume kinds: byte offset in the volume; else 0
+    64     4    volume      volume kinds: the handle AttachVolume gave the session; else 0
+    68     4    reserved    0
+    72     8    length      VOLUME_TRIM: bytes to trim; else 0
 
 CANCEL (16 bytes): the header alone; job_id names the job to cancel.
 
@@ -49,7 +54,7 @@ from typing import Final
 MAGIC: Final = b"DC"
 VERSION: Final = 1
 HEADER = struct.Struct("<2sBBIQ")
-SUBMIT_BODY = struct.Struct("<HHI QII QII Q")
+SUBMIT_BODY = struct.Struct("<HHI QII QII Q II Q")
 COMPLETION_BODY = struct.Struct("<HBBHH QQQ QQQ Q")
 SUBMIT_SIZE: Final = HEADER.size + SUBMIT_BODY.size
 CANCEL_SIZE: Final = HEADER.size
@@ -63,7 +68,7 @@ U32_MAX: Final = 0xFFFF_FFFF
 U64_MAX: Final = 0xFFFF_FFFF_FFFF_FFFF
 
 assert HEADER.size == 16  # noqa: S101 - layout guards, checked at import
-assert SUBMIT_SIZE == 64  # noqa: S101
+assert SUBMIT_SIZE == 80  # noqa: S101
 assert COMPLETION_FIXED == 80  # noqa: S101
 assert MAX_CAPSULE == 256  # noqa: S101
 
@@ -81,6 +86,17 @@ class JobKind(enum.IntEnum):
 
     COPY = 1
     CRC32C = 2
+    VOLUME_WRITE = 3
+    VOLUME_READ = 4
+    VOLUME_FLUSH = 5
+    VOLUME_TRIM = 6
+
+
+FLAG_FUA: Final = 0x0001
+"""SUBMIT flag: a VOLUME_WRITE is on stable storage before its completion."""
+VOLUME_KINDS: Final = frozenset(
+    {JobKind.VOLUME_WRITE, JobKind.VOLUME_READ, JobKind.VOLUME_FLUSH, JobKind.VOLUME_TRIM}
+)
 
 
 class State(enum.IntEnum):
@@ -127,13 +143,20 @@ class Submit:
     source: Span
     destination: Span = Span()
     deadline_ms: int = 0
-    arg: int = 0
+    offset: int = 0
+    volume: int = 0
+    length: int = 0
+    flags: int = 0
 
     def encode(self) -> bytes:
-        """The 64-byte SUBMIT capsule."""
+        """The 80-byte SUBMIT capsule."""
         _check_u64(self.job_id, "job_id")
         _check_u32(self.deadline_ms, "deadline_ms")
-        _check_u64(self.arg, "arg")
+        _check_u64(self.offset, "offset")
+        _check_u32(self.volume, "volume")
+        _check_u64(self.length, "length")
+        if not 0 <= self.flags <= 0xFFFF:
+            raise ValueError(f"flags {self.flags} do not fit in 16 bits")
         for name, span in (("source", self.source), ("destination", self.destination)):
             _check_u64(span.addr, f"{name}.addr")
             _check_u32(span.length, f"{name}.length")
@@ -142,7 +165,7 @@ class Submit:
             MAGIC, VERSION, Opcode.SUBMIT, SUBMIT_SIZE, self.job_id
         ) + SUBMIT_BODY.pack(
             self.kind,
-            0,
+            self.flags,
             self.deadline_ms,
             self.source.addr,
             self.source.length,
@@ -150,7 +173,10 @@ class Submit:
             self.destination.addr,
             self.destination.length,
             self.destination.rkey,
-            self.arg,
+            self.offset,
+            self.volume,
+            0,
+            self.length,
         )
 
 
@@ -237,20 +263,26 @@ def decode(data: bytes | bytearray | memoryview) -> Capsule:
 def _decode_submit(data: bytes, job_id: int) -> Submit:
     if len(data) != SUBMIT_SIZE:
         raise CapsuleError(f"SUBMIT capsule must be {SUBMIT_SIZE} bytes, not {len(data)}", job_id)
-    kind, flags, deadline, s_addr, s_len, s_key, d_addr, d_len, d_key, arg = (
-        SUBMIT_BODY.unpack_from(data, HEADER.size)
-    )
+    fields = SUBMIT_BODY.unpack_from(data, HEADER.size)
+    kind, flags, deadline, s_addr, s_len, s_key, d_addr, d_len, d_key = fields[:9]
+    offset, volume, reserved, length = fields[9:]
     if kind not in JobKind._value2member_map_:
         raise CapsuleError(f"unknown job kind {kind}", job_id)
-    if flags:
-        raise CapsuleError(f"reserved flags are set ({flags:#x})", job_id)
+    allowed = FLAG_FUA if kind == JobKind.VOLUME_WRITE else 0
+    if flags & ~allowed:
+        raise CapsuleError(f"reserved flags are set ({flags & ~allowed:#x})", job_id)
+    if reserved:
+        raise CapsuleError("the reserved field at offset 68 is not zero", job_id)
     return Submit(
         job_id=job_id,
         kind=JobKind(kind),
         source=Span(s_addr, s_len, s_key),
         destination=Span(d_addr, d_len, d_key),
         deadline_ms=deadline,
-        arg=arg,
+        offset=offset,
+        volume=volume,
+        length=length,
+        flags=flags,
     )
 
 

@@ -22,6 +22,7 @@ from dpu_wire.v1 import (
     network_pb2_grpc,
     session_pb2,
     session_pb2_grpc,
+    storage_pb2,
     storage_pb2_grpc,
     virtualization_pb2_grpc,
 )
@@ -43,6 +44,15 @@ if TYPE_CHECKING:
 _R = TypeVar("_R")
 
 MAX_QUEUE_DEPTH: Final = 1024
+_COMPRESSIONS: Final = {
+    "none": storage_pb2.COMPRESSION_NONE,
+    "lz4": storage_pb2.COMPRESSION_LZ4,
+    "zstd": storage_pb2.COMPRESSION_ZSTD,
+}
+_ENCRYPTIONS: Final = {
+    "none": storage_pb2.ENCRYPTION_NONE,
+    "aes-xts-256": storage_pb2.ENCRYPTION_AES_XTS_256,
+}
 DEFAULT_TARGET: Final = "127.0.0.1:50051"
 TARGET_ENV: Final = "DPU_TARGET"
 
@@ -205,6 +215,81 @@ class Client:
         return await self._call(
             self.stubs.jobs.CancelJob,
             job_pb2.CancelJobRequest(name=name, request_id=uuid.uuid4().hex),
+        )
+
+    async def create_volume(  # noqa: PLR0913 - a volume's settings
+        self,
+        volume_id: str,
+        size_bytes: int,
+        *,
+        block_size: int = 4096,
+        crc32c: bool = False,
+        compression: str = "none",
+        encryption: str = "none",
+        key: bytes | None = None,
+    ) -> storage_pb2.Volume:
+        """Create a volume on the DPU.
+
+        `compression`: none, lz4, zstd; `encryption`: none or aes-xts-256 with a 64-byte
+        `key` (None: the agent generates one and keeps it sealed).
+        """
+        if compression not in _COMPRESSIONS or encryption not in _ENCRYPTIONS:
+            raise InvalidArgumentError(
+                "INVALID_ARGUMENT",
+                f"compression is one of {', '.join(_COMPRESSIONS)}; "
+                f"encryption one of {', '.join(_ENCRYPTIONS)}",
+            )
+        request = storage_pb2.CreateVolumeRequest(
+            volume_id=volume_id,
+            volume=storage_pb2.Volume(
+                size_bytes=size_bytes,
+                block_size=block_size,
+                data_services=storage_pb2.DataServices(
+                    crc32c=crc32c,
+                    compression=_COMPRESSIONS[compression],
+                    encryption=_ENCRYPTIONS[encryption],
+                ),
+            ),
+            encryption_key=key or b"",
+            request_id=uuid.uuid4().hex,
+        )
+        return await self._call(self.stubs.storage.CreateVolume, request)
+
+    async def get_volume(self, name: str) -> storage_pb2.Volume:
+        """One volume ("volumes/{id}") with its statistics."""
+        return await self._call(
+            self.stubs.storage.GetVolume, storage_pb2.GetVolumeRequest(name=name)
+        )
+
+    async def list_volumes(self) -> list[storage_pb2.Volume]:
+        """Every volume (all pages)."""
+        volumes: list[storage_pb2.Volume] = []
+        token = ""
+        while True:
+            page: storage_pb2.ListVolumesResponse = await self._call(
+                self.stubs.storage.ListVolumes, storage_pb2.ListVolumesRequest(page_token=token)
+            )
+            volumes.extend(page.volumes)
+            token = page.next_page_token
+            if not token:
+                return volumes
+
+    async def resize_volume(
+        self, name: str, size_bytes: int, *, force: bool = False
+    ) -> storage_pb2.Volume:
+        """Grow a volume, or shrink it (over written data only with force)."""
+        return await self._call(
+            self.stubs.storage.ResizeVolume,
+            storage_pb2.ResizeVolumeRequest(
+                name=name, size_bytes=size_bytes, force=force, request_id=uuid.uuid4().hex
+            ),
+        )
+
+    async def delete_volume(self, name: str) -> None:
+        """Delete a volume and its data."""
+        await self._call(
+            self.stubs.storage.DeleteVolume,
+            storage_pb2.DeleteVolumeRequest(name=name, request_id=uuid.uuid4().hex),
         )
 
     async def open_session(

@@ -11,7 +11,6 @@ import uuid
 from typing import TYPE_CHECKING, Final, Self
 
 import grpc
-from google.protobuf import duration_pb2
 
 from dpu_wire import REQUEST_ID_METADATA_KEY, capsule, endpoints
 from dpu_wire.capsule import JobKind, Span
@@ -35,6 +34,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_SPEC_KINDS: Final = {
+    "copy": JobKind.COPY,
+    "crc32c": JobKind.CRC32C,
+    "volume_write": JobKind.VOLUME_WRITE,
+    "volume_read": JobKind.VOLUME_READ,
+    "volume_flush": JobKind.VOLUME_FLUSH,
+    "volume_trim": JobKind.VOLUME_TRIM,
+}
 TRANSPORT_NUMBERS: Final = {
     "auto": agent_pb2.TRANSPORT_UNSPECIFIED,
     "verbs": agent_pb2.TRANSPORT_VERBS,
@@ -137,6 +144,7 @@ class Session:
         self._pending: dict[int, tuple[asyncio.Future[Completion], JobKind]] = {}
         self._early: dict[int, Completion] = {}
         self._buffers: dict[str, Buffer] = {}
+        self._volumes: dict[str, int] = {}  # volume name -> capsule handle
         self._region_ids = itertools.count(1)
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -288,8 +296,17 @@ class Session:
         assert completion.crc32c is not None  # noqa: S101 - a succeeded crc32c job has one
         return completion.crc32c
 
-    async def _submit(
-        self, kind: JobKind, source: Span, destination: Span, deadline: float | None
+    async def _submit(  # noqa: PLR0913 - a SUBMIT capsule's fields
+        self,
+        kind: JobKind,
+        source: Span,
+        destination: Span,
+        deadline: float | None,
+        *,
+        offset: int = 0,
+        volume: int = 0,
+        length: int = 0,
+        flags: int = 0,
     ) -> Job:
         self._require_usable()
         await self._credits.acquire()
@@ -305,6 +322,10 @@ class Session:
             source=source,
             destination=destination,
             deadline_ms=int((deadline or 0) * 1000),
+            offset=offset,
+            volume=volume,
+            length=length,
+            flags=flags,
         )
         try:
             await self._transport.send(message.encode())
@@ -345,15 +366,20 @@ class Session:
                 raise InvalidArgumentError("INVALID_ARGUMENT", "copy needs a destination")
             spec.copy.source.CopyFrom(_ref(source).region_ref())
             spec.copy.destination.CopyFrom(_ref(destination).region_ref())
-            job_kind = JobKind.COPY
         elif kind == "crc32c":
             spec.crc32c.source.CopyFrom(_ref(source).region_ref())
-            job_kind = JobKind.CRC32C
         else:
             raise InvalidArgumentError("INVALID_ARGUMENT", f"unknown job kind {kind!r}")
         if deadline:
-            spec.deadline.CopyFrom(duration_pb2.Duration(nanos=0, seconds=0))
             spec.deadline.FromNanoseconds(int(deadline * 1e9))
+        return await self.submit_spec(spec, request_id=request_id)
+
+    async def submit_spec(self, spec: job_pb2.JobSpec, *, request_id: str | None = None) -> Job:
+        """Queue any dpu.v1 JobSpec through SubmitJob (e.g. volume jobs by volume name)."""
+        self._require_usable()
+        job_kind = _SPEC_KINDS.get(spec.WhichOneof("kind") or "")
+        if job_kind is None:
+            raise InvalidArgumentError("INVALID_ARGUMENT", "the JobSpec names no job kind")
         await self._credits.acquire()
         try:
             reply: job_pb2.Job = await self._client._call(  # noqa: SLF001
@@ -376,6 +402,63 @@ class Session:
         else:
             self._pending[reply.job_id] = (future, job_kind)
         return Job(reply.job_id, job_kind, future)
+
+    # ------------------------------------------------------------------ volumes (fast path)
+    async def attach(self, volume: str) -> int:
+        """The handle this session's capsules use for a volume ("volumes/{id}")."""
+        handle = self._volumes.get(volume)
+        if handle is None:
+            reply: session_pb2.VolumeAttachment = await self._client._call(  # noqa: SLF001
+                self._client.stubs.sessions.AttachVolume,
+                session_pb2.AttachVolumeRequest(
+                    session=self.name, volume=volume, request_id=uuid.uuid4().hex
+                ),
+            )
+            handle = self._volumes[volume] = reply.handle
+        return handle
+
+    async def submit_volume_write(
+        self, volume: str, offset: int, source: Target, *, fua: bool = False
+    ) -> Job:
+        """Queue a write of host memory to a volume at `offset` (block aligned)."""
+        handle = await self.attach(volume)
+        flags = capsule.FLAG_FUA if fua else 0
+        span = _ref(source).span()
+        return await self._submit(
+            JobKind.VOLUME_WRITE, span, Span(), None, offset=offset, volume=handle, flags=flags
+        )
+
+    async def submit_volume_read(self, volume: str, offset: int, destination: Target) -> Job:
+        """Queue a read of a volume at `offset` into host memory (block aligned)."""
+        handle = await self.attach(volume)
+        span = _ref(destination).span()
+        return await self._submit(
+            JobKind.VOLUME_READ, Span(), span, None, offset=offset, volume=handle
+        )
+
+    async def submit_volume_flush(self, volume: str) -> Job:
+        """Queue a flush: what was written is on stable storage when it completes."""
+        handle = await self.attach(volume)
+        return await self._submit(JobKind.VOLUME_FLUSH, Span(), Span(), None, volume=handle)
+
+    async def submit_volume_trim(self, volume: str, offset: int, length: int) -> Job:
+        """Queue a trim of a block-aligned range (it reads as zeros afterwards)."""
+        handle = await self.attach(volume)
+        return await self._submit(
+            JobKind.VOLUME_TRIM, Span(), Span(), None, offset=offset, volume=handle, length=length
+        )
+
+    async def write_volume(
+        self, volume: str, offset: int, source: Target, *, fua: bool = False
+    ) -> Completion:
+        """Write and wait; raise the matching DpuError if it failed."""
+        job = await self.submit_volume_write(volume, offset, source, fua=fua)
+        return (await job).raise_for_status()
+
+    async def read_volume(self, volume: str, offset: int, destination: Target) -> Completion:
+        """Read and wait; raise the matching DpuError (DataLossError on a bad CRC)."""
+        job = await self.submit_volume_read(volume, offset, destination)
+        return (await job).raise_for_status()
 
     # ------------------------------------------------------------------ completions
     async def _read_completions(self) -> None:

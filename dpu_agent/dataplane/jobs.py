@@ -11,18 +11,19 @@ import asyncio
 import dataclasses
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import crc32c
 
 from dpu_agent import status
-from dpu_agent.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from dpu_agent.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from dpu_wire import capsule
-from dpu_wire.capsule import JobKind, Span, State
+from dpu_wire.capsule import VOLUME_KINDS, JobKind, Span, State
 from dpu_wire.transport.base import Access
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.regions import RegionTable
+    from dpu_agent.storage import VolumeStore
     from dpu_wire.transport.base import AgentTransport, Region
 
 
@@ -63,6 +64,10 @@ class JobRecord:
     origin: Origin
     deadline: float  # time.monotonic() by which it must finish
     request_id: str = ""
+    volume_id: str = ""  # volume kinds: the volume ("" for the others)
+    offset: int = 0  # volume kinds: byte offset in the volume
+    length: int = 0  # VOLUME_TRIM: bytes to trim
+    fua: bool = False  # VOLUME_WRITE: durable before the completion
     submit_ns: int = dataclasses.field(default_factory=time.time_ns)
     state: JobState = JobState.QUEUED
     start_ns: int = 0
@@ -106,18 +111,36 @@ class JobRecord:
         return self.completion
 
 
+# kind -> (reads host memory: source span, writes host memory: destination span)
+SPANS: Final = {
+    JobKind.COPY: (True, True),
+    JobKind.CRC32C: (True, False),
+    JobKind.VOLUME_WRITE: (True, False),
+    JobKind.VOLUME_READ: (False, True),
+    JobKind.VOLUME_FLUSH: (False, False),
+    JobKind.VOLUME_TRIM: (False, False),
+}
+
+
 def check_spans(job: JobRecord, regions: RegionTable) -> None:
     """Reject a job whose spans do not fit the session's regions, before any RDMA op."""
-    regions.check_span(job.source, Access.REMOTE_READ, "source")
-    if job.kind == JobKind.COPY:
+    what = job.kind.name.lower()
+    reads, writes = SPANS[job.kind]
+    if reads:
+        regions.check_span(job.source, Access.REMOTE_READ, "source")
+    elif job.source != Span():
+        raise InvalidArgument(f"{what}: takes no source")
+    if writes:
         regions.check_span(job.destination, Access.REMOTE_WRITE, "destination")
-        if job.destination.length != job.source.length:
-            raise InvalidArgument(
-                f"copy: destination length {job.destination.length} differs from source "
-                f"length {job.source.length}"
-            )
     elif job.destination != Span():
-        raise InvalidArgument(f"{job.kind.name.lower()}: takes no destination")
+        raise InvalidArgument(f"{what}: takes no destination")
+    if job.kind == JobKind.COPY and job.destination.length != job.source.length:
+        raise InvalidArgument(
+            f"copy: destination length {job.destination.length} differs from source "
+            f"length {job.source.length}"
+        )
+    if job.kind in VOLUME_KINDS and not job.volume_id:
+        raise InvalidArgument(f"{what}: names no volume")
 
 
 class StagingPool:
@@ -154,20 +177,66 @@ class JobRunner:
     the NIC may still write into it.
     """
 
-    def __init__(self, transport: AgentTransport, pool: StagingPool) -> None:
+    def __init__(
+        self, transport: AgentTransport, pool: StagingPool, store: VolumeStore | None = None
+    ) -> None:
         self._transport = transport
         self._pool = pool
+        self._store = store
+        self._kinds = {
+            JobKind.COPY: self._copy,
+            JobKind.CRC32C: self._crc32c,
+            JobKind.VOLUME_WRITE: self._volume_write,
+            JobKind.VOLUME_READ: self._volume_read,
+            JobKind.VOLUME_FLUSH: self._volume_flush,
+            JobKind.VOLUME_TRIM: self._volume_trim,
+        }
 
     async def run(self, job: JobRecord) -> None:
         """Execute the job, recording progress on it; raise a domain error if it fails."""
         buffer = await self._pool.acquire()
         try:
-            if job.kind == JobKind.COPY:
-                await self._copy(job, buffer)
-            else:
-                await self._crc32c(job, buffer)
+            await self._kinds[job.kind](job, buffer)
         finally:
             self._pool.give_back(buffer)
+
+    @property
+    def store(self) -> VolumeStore:
+        """The volume store (volume kinds only)."""
+        if self._store is None:
+            raise FailedPrecondition("this agent has no volume store")
+        return self._store
+
+    async def _volume_write(self, job: JobRecord, buffer: Region) -> None:
+        src, out = job.source, job.progress
+        for offset, size in self._chunks(src.length):
+            self._checkpoint(job)
+            await self._transport.read(buffer, 0, size, src.addr + offset, src.rkey)
+            out.bytes_read += size
+            await asyncio.to_thread(
+                self.store.write, job.volume_id, job.offset + offset, buffer.view[:size]
+            )
+        if job.fua:
+            await asyncio.to_thread(self.store.flush, job.volume_id)
+
+    async def _volume_read(self, job: JobRecord, buffer: Region) -> None:
+        dst, out = job.destination, job.progress
+        for offset, size in self._chunks(dst.length):
+            self._checkpoint(job)
+            data = await asyncio.to_thread(
+                self.store.read, job.volume_id, job.offset + offset, size
+            )
+            buffer.view[:size] = data
+            await self._transport.write(buffer, 0, size, dst.addr + offset, dst.rkey)
+            out.bytes_written += size
+
+    async def _volume_flush(self, job: JobRecord, _buffer: Region) -> None:
+        self._checkpoint(job)
+        await asyncio.to_thread(self.store.flush, job.volume_id)
+
+    async def _volume_trim(self, job: JobRecord, _buffer: Region) -> None:
+        self._checkpoint(job)
+        await asyncio.to_thread(self.store.trim, job.volume_id, job.offset, job.length)
 
     def _checkpoint(self, job: JobRecord) -> None:
         if job.cancel_requested:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from dpu_agent.dataplane.jobs import JobRecord
+    from dpu_agent.storage import VolumeStore
     from dpu_wire.transport.base import AgentTransport, PeerAddress
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,10 @@ class SessionManager:
         settings: ManagerSettings,
         transports: dict[int, Callable[[int], AgentTransport]],
         on_completion: Callable[[Session, JobRecord], None] | None = None,
+        store: VolumeStore | None = None,
     ) -> None:
         self.settings = settings
+        self._store = store
         self._transports = transports
         self._on_completion = on_completion
         self._sessions: dict[str, Session] = {}
@@ -143,6 +146,7 @@ class SessionManager:
                 default_deadline=self.settings.default_deadline,
             ),
             on_completion=self._on_completion,
+            store=self._store,
         )
         try:
             await session.connect(host)

@@ -34,6 +34,7 @@ from dpu_agent.errors import (
     AgentError,
     Cancelled,
     FailedPrecondition,
+    InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -45,11 +46,23 @@ from dpu_wire.transport.base import TransportError
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
 
+    from dpu_agent.storage import VolumeStore
     from dpu_wire.transport.base import AgentTransport, PeerAddress
 
 log = logging.getLogger(__name__)
 
 WATCHER_BACKLOG: Final = 65536
+MAX_ATTACHED_VOLUMES: Final = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeTarget:
+    """Where a volume job acts: the volume, a byte offset, a length (trim), FUA (write)."""
+
+    volume_id: str = ""
+    offset: int = 0
+    length: int = 0
+    fua: bool = False
 
 
 class SessionState(enum.IntEnum):
@@ -114,6 +127,7 @@ class Session:
         transport: AgentTransport,
         settings: SessionSettings,
         on_completion: Callable[[Session, JobRecord], None] | None = None,
+        store: VolumeStore | None = None,
     ) -> None:
         self.session_id = session_id
         self.name = f"sessions/{session_id}"
@@ -140,6 +154,10 @@ class Session:
         self._capsule_task: asyncio.Task[None] | None = None
         self.unwatched_since: float | None = time.monotonic()
         self.accepting = True  # False while the agent drains for shutdown
+        self._store = store
+        self._volumes: dict[int, str] = {}  # capsule handle -> volume id
+        self._handles: dict[str, int] = {}
+        self._next_handle = itertools.count(1)
         self._idle = asyncio.Event()  # set while no job is open
         self._idle.set()
 
@@ -150,7 +168,7 @@ class Session:
         self._pool = StagingPool(
             self.transport, self.settings.chunk_size, self.settings.queue_depth
         )
-        self._runner = JobRunner(self.transport, self._pool)
+        self._runner = JobRunner(self.transport, self._pool, self._store)
         self._capsule_task = asyncio.create_task(self._capsule_loop(), name=f"{self.name}/capsules")
         self.state = SessionState.ACTIVE
 
@@ -221,6 +239,7 @@ class Session:
         source: Span,
         destination: Span,
         *,
+        volume: VolumeTarget | None = None,
         deadline: float = 0.0,
         request_id: str = "",
         wait_for_slot: bool = False,
@@ -229,6 +248,7 @@ class Session:
         self._require_active()
         if request_id and request_id in self._by_request:
             return self.job(self._by_request[request_id])
+        target = volume or VolumeTarget()
         job = JobRecord(
             job_id=next(self._grpc_ids),
             kind=kind,
@@ -237,6 +257,10 @@ class Session:
             origin=Origin.GRPC,
             deadline=time.monotonic() + (deadline or self.settings.default_deadline),
             request_id=request_id,
+            volume_id=target.volume_id,
+            offset=target.offset,
+            length=target.length,
+            fua=target.fua,
         )
         check_spans(job, self.regions)
         if self._slots.locked() and not wait_for_slot:
@@ -391,9 +415,17 @@ class Session:
             destination=sub.destination,
             origin=Origin.CAPSULE,
             deadline=time.monotonic() + deadline,
+            volume_id=self._volumes.get(sub.volume, ""),
+            offset=sub.offset,
+            length=sub.length,
+            fua=bool(sub.flags & capsule.FLAG_FUA),
         )
         try:
             self._require_active()
+            if sub.kind in capsule.VOLUME_KINDS and sub.volume not in self._volumes:
+                raise InvalidArgument(
+                    f"no volume is attached to this session with handle {sub.volume}"
+                )
             check_spans(job, self.regions)
             if self._slots.locked():
                 raise ResourceExhausted(
@@ -406,6 +438,29 @@ class Session:
             return
         await self._slots.acquire()
         self._start(job)
+
+    # ------------------------------------------------------------------ volumes
+    async def attach(self, volume_id: str) -> int:
+        """The handle capsules use for a volume (the same one if already attached)."""
+        self._require_active()
+        if volume_id in self._handles:
+            return self._handles[volume_id]
+        if self._store is None:
+            raise FailedPrecondition("this agent has no volume store")
+        await asyncio.to_thread(self._store.get, volume_id)  # NotFound if it does not exist
+        if len(self._volumes) >= MAX_ATTACHED_VOLUMES:
+            raise ResourceExhausted(f"a session attaches at most {MAX_ATTACHED_VOLUMES} volumes")
+        handle = next(self._next_handle)
+        self._volumes[handle] = volume_id
+        self._handles[volume_id] = handle
+        return handle
+
+    def detach(self, volume_id: str) -> None:
+        """Remove a volume's handle from the session."""
+        handle = self._handles.pop(volume_id, None)
+        if handle is None:
+            raise NotFound(f"volumes/{volume_id} is not attached to {self.name}")
+        del self._volumes[handle]
 
     # ------------------------------------------------------------------ watchers
     def watch(self, *, include_retained: bool, origin: Origin | None = None) -> Watcher:

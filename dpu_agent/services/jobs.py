@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent.dataplane.jobs import Origin
+from dpu_agent.dataplane.session import VolumeTarget
 from dpu_agent.errors import InvalidArgument, ResourceExhausted, Unavailable
 from dpu_agent.services import convert
 from dpu_wire import names
@@ -35,6 +36,52 @@ def _span(session: Session, ref: common_pb2.RegionRef, what: str) -> Span:
     return session.regions.span_of(region_id, ref.offset, ref.length, what)
 
 
+def _volume(name: str, what: str) -> str:
+    try:
+        (volume_id,) = names.parse_name(name, "volumes")
+    except names.InvalidNameError as exc:
+        raise InvalidArgument(f"{what}.volume: {exc}") from None
+    return volume_id
+
+
+def _job_fields(
+    session: Session, spec: job_pb2.JobSpec
+) -> tuple[JobKind, Span, Span, VolumeTarget | None]:
+    """(kind, source span, destination span, volume target) of a JobSpec."""
+    kind = spec.WhichOneof("kind")
+    where = f"spec.{kind}"
+    if kind == "copy":
+        src = _span(session, spec.copy.source, f"{where}.source")
+        return (
+            JobKind.COPY,
+            src,
+            _span(session, spec.copy.destination, f"{where}.destination"),
+            None,
+        )
+    if kind == "crc32c":
+        return JobKind.CRC32C, _span(session, spec.crc32c.source, f"{where}.source"), Span(), None
+    if kind == "volume_write":
+        w = spec.volume_write
+        target = VolumeTarget(_volume(w.volume, where), w.offset, fua=w.fua)
+        return JobKind.VOLUME_WRITE, _span(session, w.source, f"{where}.source"), Span(), target
+    if kind == "volume_read":
+        r = spec.volume_read
+        target = VolumeTarget(_volume(r.volume, where), r.offset)
+        dst = _span(session, r.destination, f"{where}.destination")
+        return JobKind.VOLUME_READ, Span(), dst, target
+    if kind == "volume_flush":
+        target = VolumeTarget(_volume(spec.volume_flush.volume, where))
+        return JobKind.VOLUME_FLUSH, Span(), Span(), target
+    if kind == "volume_trim":
+        t = spec.volume_trim
+        target = VolumeTarget(_volume(t.volume, where), t.offset, t.length)
+        return JobKind.VOLUME_TRIM, Span(), Span(), target
+    raise InvalidArgument(
+        "spec: a job kind is required (copy, crc32c, volume_write, volume_read, "
+        "volume_flush, volume_trim)"
+    )
+
+
 def _job_id(name: str) -> tuple[str, int]:
     session_id, job = names.parse_name(name, "sessions", "jobs")
     if not job.isdigit():
@@ -54,21 +101,12 @@ class JobService(job_pb2_grpc.JobServiceServicer):
         """Queue a job on a session."""
         session = self._manager.get(request.session)
         spec = request.spec
-        kind_name = spec.WhichOneof("kind")
-        if kind_name == "copy":
-            kind = JobKind.COPY
-            source = _span(session, spec.copy.source, "spec.copy.source")
-            destination = _span(session, spec.copy.destination, "spec.copy.destination")
-        elif kind_name == "crc32c":
-            kind = JobKind.CRC32C
-            source = _span(session, spec.crc32c.source, "spec.crc32c.source")
-            destination = Span()
-        else:
-            raise InvalidArgument("spec: a job kind (copy, crc32c) is required")
+        kind, source, destination, volume = _job_fields(session, spec)
         record = await session.submit(
             kind,
             source,
             destination,
+            volume=volume,
             deadline=spec.deadline.ToTimedelta().total_seconds(),
             request_id=request.request_id,
             wait_for_slot=request.wait_for_slot,

@@ -99,6 +99,26 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
             regions=[convert.region(session, r) for r in added]
         )
 
+    async def AttachVolume(
+        self, request: session_pb2.AttachVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> session_pb2.VolumeAttachment:
+        """Give a volume a handle for this session's capsules."""
+        session = self._manager.get(request.session)
+        (volume_id,) = names.parse_name(request.volume, "volumes")
+        handle = await session.attach(volume_id)
+        return session_pb2.VolumeAttachment(
+            session=session.name, volume=request.volume, handle=handle
+        )
+
+    async def DetachVolume(
+        self, request: session_pb2.DetachVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> session_pb2.DetachVolumeResponse:
+        """Remove a volume's handle from this session."""
+        session = self._manager.get(request.session)
+        (volume_id,) = names.parse_name(request.volume, "volumes")
+        session.detach(volume_id)
+        return session_pb2.DetachVolumeResponse()
+
     async def WithdrawRegion(
         self,
         request: session_pb2.WithdrawRegionRequest,

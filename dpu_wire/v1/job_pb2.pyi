@@ -124,17 +124,141 @@ class Crc32cJob(_message.Message):
 Global___Crc32cJob: _TypeAlias = Crc32cJob  # noqa: Y015
 
 @_typing.final
+class VolumeWriteJob(_message.Message):
+    """Host memory → volume: the agent READs the region and stores it (block aligned)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VOLUME_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    FUA_FIELD_NUMBER: _builtins.int
+    volume: _builtins.str
+    """"volumes/{volume}" """
+    offset: _builtins.int
+    """bytes, a multiple of the block size"""
+    fua: _builtins.bool
+    """on stable storage before the completion"""
+    @_builtins.property
+    def source(self) -> _common_pb2.RegionRef:
+        """length: a multiple of the block size"""
+
+    def __init__(
+        self,
+        *,
+        volume: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        source: _common_pb2.RegionRef | None = ...,
+        fua: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fua", b"fua", "offset", b"offset", "source", b"source", "volume", b"volume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VolumeWriteJob: _TypeAlias = VolumeWriteJob  # noqa: Y015
+
+@_typing.final
+class VolumeReadJob(_message.Message):
+    """Volume → host memory: the agent loads, verifies and WRITEs into the region."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VOLUME_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DESTINATION_FIELD_NUMBER: _builtins.int
+    volume: _builtins.str
+    offset: _builtins.int
+    @_builtins.property
+    def destination(self) -> _common_pb2.RegionRef: ...
+    def __init__(
+        self,
+        *,
+        volume: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        destination: _common_pb2.RegionRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "offset", b"offset", "volume", b"volume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VolumeReadJob: _TypeAlias = VolumeReadJob  # noqa: Y015
+
+@_typing.final
+class VolumeFlushJob(_message.Message):
+    """Everything written to the volume is on stable storage before the completion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VOLUME_FIELD_NUMBER: _builtins.int
+    volume: _builtins.str
+    def __init__(
+        self,
+        *,
+        volume: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["volume", b"volume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VolumeFlushJob: _TypeAlias = VolumeFlushJob  # noqa: Y015
+
+@_typing.final
+class VolumeTrimJob(_message.Message):
+    """Forget a block-aligned range; it reads as zeros afterwards."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VOLUME_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    volume: _builtins.str
+    offset: _builtins.int
+    length: _builtins.int
+    def __init__(
+        self,
+        *,
+        volume: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "offset", b"offset", "volume", b"volume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VolumeTrimJob: _TypeAlias = VolumeTrimJob  # noqa: Y015
+
+@_typing.final
 class JobSpec(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     COPY_FIELD_NUMBER: _builtins.int
     CRC32C_FIELD_NUMBER: _builtins.int
+    VOLUME_WRITE_FIELD_NUMBER: _builtins.int
+    VOLUME_READ_FIELD_NUMBER: _builtins.int
+    VOLUME_FLUSH_FIELD_NUMBER: _builtins.int
+    VOLUME_TRIM_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def copy(self) -> Global___CopyJob: ...
     @_builtins.property
-    def crc32c(self) -> Global___Crc32cJob:
-        """Field numbers 3-31 are reserved for storage and compute kinds."""
+    def crc32c(self) -> Global___Crc32cJob: ...
+    @_builtins.property
+    def volume_write(self) -> Global___VolumeWriteJob: ...
+    @_builtins.property
+    def volume_read(self) -> Global___VolumeReadJob: ...
+    @_builtins.property
+    def volume_flush(self) -> Global___VolumeFlushJob: ...
+    @_builtins.property
+    def volume_trim(self) -> Global___VolumeTrimJob:
+        """Field numbers 7-31 are reserved for compute kinds."""
 
     @_builtins.property
     def deadline(self) -> _duration_pb2.Duration:
@@ -145,13 +269,17 @@ class JobSpec(_message.Message):
         *,
         copy: Global___CopyJob | None = ...,
         crc32c: Global___Crc32cJob | None = ...,
+        volume_write: Global___VolumeWriteJob | None = ...,
+        volume_read: Global___VolumeReadJob | None = ...,
+        volume_flush: Global___VolumeFlushJob | None = ...,
+        volume_trim: Global___VolumeTrimJob | None = ...,
         deadline: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["copy", b"copy", "crc32c", b"crc32c", "deadline", b"deadline", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["copy", b"copy", "crc32c", b"crc32c", "deadline", b"deadline", "kind", b"kind", "volume_flush", b"volume_flush", "volume_read", b"volume_read", "volume_trim", b"volume_trim", "volume_write", b"volume_write"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy", b"copy", "crc32c", b"crc32c", "deadline", b"deadline", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy", b"copy", "crc32c", b"crc32c", "deadline", b"deadline", "kind", b"kind", "volume_flush", b"volume_flush", "volume_read", b"volume_read", "volume_trim", b"volume_trim", "volume_write", b"volume_write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["copy", "crc32c"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["copy", "crc32c", "volume_write", "volume_read", "volume_flush", "volume_trim"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -505,3 +505,96 @@ class WithdrawRegionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WithdrawRegionResponse: _TypeAlias = WithdrawRegionResponse  # noqa: Y015
+
+@_typing.final
+class AttachVolumeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    VOLUME_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    session: _builtins.str
+    """"sessions/{session}" """
+    volume: _builtins.str
+    """"volumes/{volume}" """
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        session: _builtins.str = ...,
+        volume: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "session", b"session", "volume", b"volume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachVolumeRequest: _TypeAlias = AttachVolumeRequest  # noqa: Y015
+
+@_typing.final
+class VolumeAttachment(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    VOLUME_FIELD_NUMBER: _builtins.int
+    HANDLE_FIELD_NUMBER: _builtins.int
+    session: _builtins.str
+    volume: _builtins.str
+    handle: _builtins.int
+    """What SUBMIT capsules put in their volume field (1..2^32-1)."""
+    def __init__(
+        self,
+        *,
+        session: _builtins.str = ...,
+        volume: _builtins.str = ...,
+        handle: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "session", b"session", "volume", b"volume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VolumeAttachment: _TypeAlias = VolumeAttachment  # noqa: Y015
+
+@_typing.final
+class DetachVolumeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    VOLUME_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    session: _builtins.str
+    volume: _builtins.str
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        session: _builtins.str = ...,
+        volume: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "session", b"session", "volume", b"volume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetachVolumeRequest: _TypeAlias = DetachVolumeRequest  # noqa: Y015
+
+@_typing.final
+class DetachVolumeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetachVolumeResponse: _TypeAlias = DetachVolumeResponse  # noqa: Y015

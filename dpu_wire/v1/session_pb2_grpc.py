@@ -65,6 +65,16 @@ class SessionServiceStub:
                 request_serializer=dpu_dot_v1_dot_session__pb2.WithdrawRegionRequest.SerializeToString,
                 response_deserializer=dpu_dot_v1_dot_session__pb2.WithdrawRegionResponse.FromString,
                 _registered_method=True)
+        self.AttachVolume = channel.unary_unary(
+                '/dpu.v1.SessionService/AttachVolume',
+                request_serializer=dpu_dot_v1_dot_session__pb2.AttachVolumeRequest.SerializeToString,
+                response_deserializer=dpu_dot_v1_dot_session__pb2.VolumeAttachment.FromString,
+                _registered_method=True)
+        self.DetachVolume = channel.unary_unary(
+                '/dpu.v1.SessionService/DetachVolume',
+                request_serializer=dpu_dot_v1_dot_session__pb2.DetachVolumeRequest.SerializeToString,
+                response_deserializer=dpu_dot_v1_dot_session__pb2.DetachVolumeResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -113,6 +123,21 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachVolume(self, request, context):
+        """Makes a volume addressable by capsules of this session under a small handle
+        (like an NVMe namespace id on a controller). Attaching twice gives the same handle.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachVolume(self, request, context):
+        """Removes the handle; capsules naming it afterwards fail.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +170,16 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.WithdrawRegion,
                     request_deserializer=dpu_dot_v1_dot_session__pb2.WithdrawRegionRequest.FromString,
                     response_serializer=dpu_dot_v1_dot_session__pb2.WithdrawRegionResponse.SerializeToString,
+            ),
+            'AttachVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachVolume,
+                    request_deserializer=dpu_dot_v1_dot_session__pb2.AttachVolumeRequest.FromString,
+                    response_serializer=dpu_dot_v1_dot_session__pb2.VolumeAttachment.SerializeToString,
+            ),
+            'DetachVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachVolume,
+                    request_deserializer=dpu_dot_v1_dot_session__pb2.DetachVolumeRequest.FromString,
+                    response_serializer=dpu_dot_v1_dot_session__pb2.DetachVolumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +344,60 @@ class SessionService:
             '/dpu.v1.SessionService/WithdrawRegion',
             dpu_dot_v1_dot_session__pb2.WithdrawRegionRequest.SerializeToString,
             dpu_dot_v1_dot_session__pb2.WithdrawRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu.v1.SessionService/AttachVolume',
+            dpu_dot_v1_dot_session__pb2.AttachVolumeRequest.SerializeToString,
+            dpu_dot_v1_dot_session__pb2.VolumeAttachment.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu.v1.SessionService/DetachVolume',
+            dpu_dot_v1_dot_session__pb2.DetachVolumeRequest.SerializeToString,
+            dpu_dot_v1_dot_session__pb2.DetachVolumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

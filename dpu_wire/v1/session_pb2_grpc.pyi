@@ -49,6 +49,12 @@ class SessionServiceStub:
     """Advertises host memory regions the agent may READ and/or WRITE."""
     WithdrawRegion: _grpc.UnaryUnaryMultiCallable[_session_pb2.WithdrawRegionRequest, _session_pb2.WithdrawRegionResponse]
     """Withdraws a region; jobs that name it afterwards fail."""
+    AttachVolume: _grpc.UnaryUnaryMultiCallable[_session_pb2.AttachVolumeRequest, _session_pb2.VolumeAttachment]
+    """Makes a volume addressable by capsules of this session under a small handle
+    (like an NVMe namespace id on a controller). Attaching twice gives the same handle.
+    """
+    DetachVolume: _grpc.UnaryUnaryMultiCallable[_session_pb2.DetachVolumeRequest, _session_pb2.DetachVolumeResponse]
+    """Removes the handle; capsules naming it afterwards fail."""
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
@@ -68,6 +74,12 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """Advertises host memory regions the agent may READ and/or WRITE."""
     WithdrawRegion: _aio.UnaryUnaryMultiCallable[_session_pb2.WithdrawRegionRequest, _session_pb2.WithdrawRegionResponse]  # type: ignore[assignment]
     """Withdraws a region; jobs that name it afterwards fail."""
+    AttachVolume: _aio.UnaryUnaryMultiCallable[_session_pb2.AttachVolumeRequest, _session_pb2.VolumeAttachment]  # type: ignore[assignment]
+    """Makes a volume addressable by capsules of this session under a small handle
+    (like an NVMe namespace id on a controller). Attaching twice gives the same handle.
+    """
+    DetachVolume: _aio.UnaryUnaryMultiCallable[_session_pb2.DetachVolumeRequest, _session_pb2.DetachVolumeResponse]  # type: ignore[assignment]
+    """Removes the handle; capsules naming it afterwards fail."""
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -120,5 +132,23 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_session_pb2.WithdrawRegionResponse, _abc.Awaitable[_session_pb2.WithdrawRegionResponse]]:
         """Withdraws a region; jobs that name it afterwards fail."""
+
+    @_abc_1.abstractmethod
+    def AttachVolume(
+        self,
+        request: _session_pb2.AttachVolumeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_pb2.VolumeAttachment, _abc.Awaitable[_session_pb2.VolumeAttachment]]:
+        """Makes a volume addressable by capsules of this session under a small handle
+        (like an NVMe namespace id on a controller). Attaching twice gives the same handle.
+        """
+
+    @_abc_1.abstractmethod
+    def DetachVolume(
+        self,
+        request: _session_pb2.DetachVolumeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_pb2.DetachVolumeResponse, _abc.Awaitable[_session_pb2.DetachVolumeResponse]]:
+        """Removes the handle; capsules naming it afterwards fail."""
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -38,7 +38,7 @@ async def run(client: host_client.Client, transport: str) -> None:
         good = capsule.Submit(100, JobKind.COPY, s, d).encode()
         invalid = "INVALID_ARGUMENT"
         cases = {
-            "short": (good[:40], invalid, "header says 64 bytes but the capsule has 40"),
+            "short": (good[:40], invalid, "header says 80 bytes but the capsule has 40"),
             "version": (good[:2] + b"\x09" + good[3:], invalid, "version 9"),
             "kind": (good[:16] + b"\x63\x00" + good[18:], invalid, "kind 99"),
             "out of bounds": (

@@ -22,18 +22,40 @@ def test_layout_is_fixed_little_endian():
         destination=Span(0x2000, 4096, 0x11223344),
         deadline_ms=250,
     ).encode()
-    assert len(data) == 64
+    assert len(data) == 80
     assert data[:4] == b"DC\x01\x01"
-    assert struct.unpack_from("<I", data, 4)[0] == 64
+    assert struct.unpack_from("<I", data, 4)[0] == 80
     assert data[8:16] == bytes.fromhex("0807060504030201")
     assert struct.unpack_from("<HHI", data, 16) == (1, 0, 250)
     assert struct.unpack_from("<QII", data, 24) == (0x1000, 4096, 0xAABBCCDD)
 
 
-@given(U64, st.sampled_from(list(JobKind)), spans, spans, U32, U64)
-def test_submit_round_trips(job_id, kind, source, destination, deadline, arg):
-    message = capsule.Submit(job_id, kind, source, destination, deadline, arg)
+@given(U64, st.sampled_from(list(JobKind)), spans, spans, U32, U64, U32, U64, st.booleans())
+def test_submit_round_trips(
+    job_id, kind, source, destination, deadline, offset, volume, length, fua
+):
+    flags = capsule.FLAG_FUA if fua and kind == JobKind.VOLUME_WRITE else 0
+    message = capsule.Submit(
+        job_id, kind, source, destination, deadline, offset, volume, length, flags
+    )
     assert capsule.decode(message.encode()) == message
+
+
+def test_volume_fields_sit_where_the_spec_says():
+    data = capsule.Submit(
+        5, JobKind.VOLUME_TRIM, Span(), offset=4096, volume=3, length=8192
+    ).encode()
+    assert struct.unpack_from("<QIIQ", data, 56) == (4096, 3, 0, 8192)
+
+
+def test_fua_is_only_for_volume_writes():
+    data = bytearray(capsule.Submit(5, JobKind.VOLUME_WRITE, Span(), flags=1).encode())
+    decoded = capsule.decode(bytes(data))
+    assert isinstance(decoded, capsule.Submit)
+    assert decoded.flags == capsule.FLAG_FUA
+    data[16] = JobKind.VOLUME_READ
+    with pytest.raises(CapsuleError, match="reserved flags"):
+        capsule.decode(bytes(data))
 
 
 @given(
@@ -78,8 +100,9 @@ def good_submit():
         (lambda b: b[:3] + b"\x09" + b[4:], "unknown opcode 9", 9),
         (lambda b: b[:16] + b"\x07\x00" + b[18:], "unknown job kind 7", 9),
         (lambda b: b[:18] + b"\x01\x00" + b[20:], "reserved flags", 9),
-        (lambda b: b + b"\x00", "header says 64 bytes but the capsule has 65", 9),
-        (lambda b: b[:4] + struct.pack("<I", 60) + b[8:60], "must be 64 bytes", 9),
+        (lambda b: b + b"\x00", "header says 80 bytes but the capsule has 81", 9),
+        (lambda b: b[:4] + struct.pack("<I", 60) + b[8:60], "must be 80 bytes", 9),
+        (lambda b: b[:68] + b"\x01" + b[69:], "reserved field", 9),
     ],
 )
 def test_bad_capsules_name_the_problem_and_keep_the_job_id(mutate, message, job_id):
@@ -106,9 +129,9 @@ def test_fuzz_decode_never_crashes(data):
 
 
 @settings(max_examples=3000, deadline=None)
-@given(st.binary(min_size=64, max_size=64))
+@given(st.binary(min_size=80, max_size=80))
 def test_fuzz_headers_that_look_right(tail):
-    data = b"DC\x01\x01" + struct.pack("<I", 64) + tail[8:]
+    data = b"DC\x01\x01" + struct.pack("<I", 80) + tail[8:]
     error: CapsuleError | None = None
     try:
         result = capsule.decode(data)

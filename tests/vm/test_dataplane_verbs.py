@@ -10,7 +10,7 @@ import pytest
 
 import host_client
 from tests.integration.conftest import start_agent
-from tests.scenarios import bad_capsules, mixed_jobs
+from tests.scenarios import bad_capsules, mixed_jobs, volume_io
 
 pytestmark = [pytest.mark.rdma, pytest.mark.asyncio]
 
@@ -83,3 +83,9 @@ async def test_agent_killed_mid_jobs_fails_them_and_a_new_session_works(rdma_por
 
 async def _completion(job):
     return await job
+
+
+async def test_volume_round_trips_over_rxe(verbs_agent):
+    async with host_client.Client(verbs_agent.address, timeout=60) as client:
+        checked = await volume_io.round_trips(client, "verbs", "rxe")
+    assert checked == len(volume_io.COMBINATIONS) * ((2 << 20) + 4096 + 8192)
