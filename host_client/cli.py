@@ -16,6 +16,7 @@ from google.protobuf import json_format
 
 from dpu_wire.v1 import agent_pb2, job_pb2, session_pb2
 from host_client import __version__ as sdk_version
+from host_client import _cli_events, _cli_volume
 from host_client._client import TARGET_ENV, Client, default_target
 from host_client._errors import DpuError
 
@@ -72,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     for action, text in (("get", "one session"), ("close", "close a session (cancels its jobs)")):
         cmd = session_sub.add_parser(action, help=text)
         cmd.add_argument("name", help="sessions/{id}")
+    _cli_volume.add_parser(sub)
+    _cli_events.add_parser(sub)
     job = sub.add_parser("job", help="jobs of a session")
     job_sub = job.add_subparsers(dest="action", required=True, metavar="ACTION")
     job_list = job_sub.add_parser("list", help="open and retained jobs of a session")
@@ -188,6 +191,8 @@ COMMANDS: Final[dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]]
     "health": _health,
     "session": _session,
     "job": _job,
+    "volume": _cli_volume.run,
+    "events": _cli_events.run,
 }
 
 
