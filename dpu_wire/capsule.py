@@ -21,7 +21,7 @@ SUBMIT (80 bytes):
     24     16   source      span: addr u64, length u32, rkey u32 (host memory READ)
     40     16   destination span (host memory WRITTEN; zero for kinds without output)
     56     8    offset      volume kinds: byte offset in the volume; else 0
-    64     4    volume      volume kinds: the handle AttachVolume gave the session; else 0
+    64     4    handle      volume kinds: the handle AttachVolume gave the session; else 0
     68     4    reserved    0
     72     8    length      VOLUME_TRIM: bytes to trim; else 0
 
@@ -144,7 +144,7 @@ class Submit:
     destination: Span = Span()
     deadline_ms: int = 0
     offset: int = 0
-    volume: int = 0
+    handle: int = 0
     length: int = 0
     flags: int = 0
 
@@ -153,7 +153,7 @@ class Submit:
         _check_u64(self.job_id, "job_id")
         _check_u32(self.deadline_ms, "deadline_ms")
         _check_u64(self.offset, "offset")
-        _check_u32(self.volume, "volume")
+        _check_u32(self.handle, "handle")
         _check_u64(self.length, "length")
         if not 0 <= self.flags <= 0xFFFF:
             raise ValueError(f"flags {self.flags} do not fit in 16 bits")
@@ -174,7 +174,7 @@ class Submit:
             self.destination.length,
             self.destination.rkey,
             self.offset,
-            self.volume,
+            self.handle,
             0,
             self.length,
         )
@@ -265,7 +265,7 @@ def _decode_submit(data: bytes, job_id: int) -> Submit:
         raise CapsuleError(f"SUBMIT capsule must be {SUBMIT_SIZE} bytes, not {len(data)}", job_id)
     fields = SUBMIT_BODY.unpack_from(data, HEADER.size)
     kind, flags, deadline, s_addr, s_len, s_key, d_addr, d_len, d_key = fields[:9]
-    offset, volume, reserved, length = fields[9:]
+    offset, handle, reserved, length = fields[9:]
     if kind not in JobKind._value2member_map_:
         raise CapsuleError(f"unknown job kind {kind}", job_id)
     allowed = FLAG_FUA if kind == JobKind.VOLUME_WRITE else 0
@@ -280,7 +280,7 @@ def _decode_submit(data: bytes, job_id: int) -> Submit:
         destination=Span(d_addr, d_len, d_key),
         deadline_ms=deadline,
         offset=offset,
-        volume=volume,
+        handle=handle,
         length=length,
         flags=flags,
     )

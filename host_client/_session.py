@@ -304,7 +304,7 @@ class Session:
         deadline: float | None,
         *,
         offset: int = 0,
-        volume: int = 0,
+        handle: int = 0,
         length: int = 0,
         flags: int = 0,
     ) -> Job:
@@ -323,7 +323,7 @@ class Session:
             destination=destination,
             deadline_ms=int((deadline or 0) * 1000),
             offset=offset,
-            volume=volume,
+            handle=handle,
             length=length,
             flags=flags,
         )
@@ -425,7 +425,7 @@ class Session:
         flags = capsule.FLAG_FUA if fua else 0
         span = _ref(source).span()
         return await self._submit(
-            JobKind.VOLUME_WRITE, span, Span(), None, offset=offset, volume=handle, flags=flags
+            JobKind.VOLUME_WRITE, span, Span(), None, offset=offset, handle=handle, flags=flags
         )
 
     async def submit_volume_read(self, volume: str, offset: int, destination: Target) -> Job:
@@ -433,19 +433,19 @@ class Session:
         handle = await self.attach(volume)
         span = _ref(destination).span()
         return await self._submit(
-            JobKind.VOLUME_READ, Span(), span, None, offset=offset, volume=handle
+            JobKind.VOLUME_READ, Span(), span, None, offset=offset, handle=handle
         )
 
     async def submit_volume_flush(self, volume: str) -> Job:
         """Queue a flush: what was written is on stable storage when it completes."""
         handle = await self.attach(volume)
-        return await self._submit(JobKind.VOLUME_FLUSH, Span(), Span(), None, volume=handle)
+        return await self._submit(JobKind.VOLUME_FLUSH, Span(), Span(), None, handle=handle)
 
     async def submit_volume_trim(self, volume: str, offset: int, length: int) -> Job:
         """Queue a trim of a block-aligned range (it reads as zeros afterwards)."""
         handle = await self.attach(volume)
         return await self._submit(
-            JobKind.VOLUME_TRIM, Span(), Span(), None, offset=offset, volume=handle, length=length
+            JobKind.VOLUME_TRIM, Span(), Span(), None, offset=offset, handle=handle, length=length
         )
 
     async def write_volume(

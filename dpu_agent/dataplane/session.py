@@ -415,16 +415,16 @@ class Session:
             destination=sub.destination,
             origin=Origin.CAPSULE,
             deadline=time.monotonic() + deadline,
-            volume_id=self._volumes.get(sub.volume, ""),
+            volume_id=self._volumes.get(sub.handle, ""),
             offset=sub.offset,
             length=sub.length,
             fua=bool(sub.flags & capsule.FLAG_FUA),
         )
         try:
             self._require_active()
-            if sub.kind in capsule.VOLUME_KINDS and sub.volume not in self._volumes:
+            if sub.kind in capsule.VOLUME_KINDS and sub.handle not in self._volumes:
                 raise InvalidArgument(
-                    f"no volume is attached to this session with handle {sub.volume}"
+                    f"no volume is attached to this session with handle {sub.handle}"
                 )
             check_spans(job, self.regions)
             if self._slots.locked():

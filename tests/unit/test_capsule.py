@@ -43,7 +43,7 @@ def test_submit_round_trips(
 
 def test_volume_fields_sit_where_the_spec_says():
     data = capsule.Submit(
-        5, JobKind.VOLUME_TRIM, Span(), offset=4096, volume=3, length=8192
+        5, JobKind.VOLUME_TRIM, Span(), offset=4096, handle=3, length=8192
     ).encode()
     assert struct.unpack_from("<QIIQ", data, 56) == (4096, 3, 0, 8192)
 
