@@ -31,6 +31,7 @@ NAME_FIELDS: Final[dict[str, dict[str, tuple[str, ...]]]] = {
     "WithdrawRegionRequest": {"name": ("sessions", "regions")},
     "AttachVolumeRequest": {"session": ("sessions",), "volume": ("volumes",)},
     "DetachVolumeRequest": {"session": ("sessions",), "volume": ("volumes",)},
+    "RegisterKeyRequest": {"session": ("sessions",)},
     "SubmitJobRequest": {"session": ("sessions",)},
     "GetJobRequest": {"name": ("sessions", "jobs")},
     "ListJobsRequest": {"session": ("sessions",)},

@@ -14,14 +14,17 @@ same 16-byte header:
 SUBMIT (80 bytes):
 
     16     2    kind        1 COPY, 2 CRC32C, 3 VOLUME_WRITE, 4 VOLUME_READ,
-                            5 VOLUME_FLUSH, 6 VOLUME_TRIM
+                            5 VOLUME_FLUSH, 6 VOLUME_TRIM, 7 SHA256, 8 COMPRESS,
+                            9 DECOMPRESS, 10 ENCRYPT (AES-GCM), 11 DECRYPT
     18     2    flags       bit 0 FUA (VOLUME_WRITE only: durable before completion);
                             other bits reserved, non-zero is rejected
     20     4    deadline_ms time allowed from receipt to completion, 0 = agent default
     24     16   source      span: addr u64, length u32, rkey u32 (host memory READ)
     40     16   destination span (host memory WRITTEN; zero for kinds without output)
     56     8    offset      volume kinds: byte offset in the volume; else 0
-    64     4    handle      volume kinds: the handle AttachVolume gave the session; else 0
+    64     4    handle      volume kinds: the handle AttachVolume gave the session;
+                            COMPRESS/DECOMPRESS: format 1 LZ4 frame, 2 Zstandard frame;
+                            ENCRYPT/DECRYPT: the handle RegisterKey gave; else 0
     68     4    reserved    0
     72     8    length      VOLUME_TRIM: bytes to trim; else 0
 
@@ -36,7 +39,8 @@ COMPLETION (80 bytes + message, at most `MAX_CAPSULE` bytes):
     22     2    reserved    0
     24     8    bytes_read      bytes the agent RDMA-READ from host memory
     32     8    bytes_written   bytes the agent RDMA-WROTE into host memory
-    40     8    result      kind-specific (CRC32C: the checksum in the low 32 bits)
+    40     8    result      CRC32C: the checksum in the low 32 bits; SHA256, COMPRESS,
+                            DECOMPRESS, ENCRYPT, DECRYPT: the output's size in bytes
     48     8    submit_ns   agent clock (CLOCK_REALTIME ns) when the capsule arrived
     56     8    start_ns    ... when the job started
     64     8    end_ns      ... when it finished
@@ -90,6 +94,11 @@ class JobKind(enum.IntEnum):
     VOLUME_READ = 4
     VOLUME_FLUSH = 5
     VOLUME_TRIM = 6
+    SHA256 = 7
+    COMPRESS = 8
+    DECOMPRESS = 9
+    ENCRYPT = 10
+    DECRYPT = 11
 
 
 FLAG_FUA: Final = 0x0001

@@ -29,6 +29,8 @@ class Completion:
         bytes_read: bytes the agent read from host memory.
         bytes_written: bytes the agent wrote into host memory.
         crc32c: the checksum, for crc32c jobs that succeeded.
+        sha256: the digest, for sha256 jobs submitted through SubmitJob (capsule jobs
+            find it in their destination buffer).
         submit_ns, start_ns, end_ns: the agent's clock (ns since the epoch).
     """
 
@@ -39,6 +41,7 @@ class Completion:
     bytes_read: int = 0
     bytes_written: int = 0
     crc32c: int | None = None
+    sha256: bytes | None = None
     submit_ns: int = 0
     start_ns: int = 0
     end_ns: int = 0
@@ -83,6 +86,7 @@ class Completion:
             bytes_read=c.bytes_read,
             bytes_written=c.bytes_written,
             crc32c=c.crc32c if c.HasField("crc32c") else None,
+            sha256=c.sha256 if c.HasField("sha256") else None,
             submit_ns=c.submit_time.ToNanoseconds(),
             start_ns=c.start_time.ToNanoseconds(),
             end_ns=c.end_time.ToNanoseconds(),

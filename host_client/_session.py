@@ -41,7 +41,14 @@ _SPEC_KINDS: Final = {
     "volume_read": JobKind.VOLUME_READ,
     "volume_flush": JobKind.VOLUME_FLUSH,
     "volume_trim": JobKind.VOLUME_TRIM,
+    "sha256": JobKind.SHA256,
+    "compress": JobKind.COMPRESS,
+    "decompress": JobKind.DECOMPRESS,
+    "encrypt": JobKind.ENCRYPT,
+    "decrypt": JobKind.DECRYPT,
 }
+_COMPUTE_KINDS: Final = {name: kind for name, kind in _SPEC_KINDS.items() if kind >= JobKind.SHA256}
+_FORMATS: Final = {"lz4": 1, "zstd": 2}
 TRANSPORT_NUMBERS: Final = {
     "auto": agent_pb2.TRANSPORT_UNSPECIFIED,
     "verbs": agent_pb2.TRANSPORT_VERBS,
@@ -447,6 +454,42 @@ class Session:
         return await self._submit(
             JobKind.VOLUME_TRIM, Span(), Span(), None, offset=offset, handle=handle, length=length
         )
+
+    # ------------------------------------------------------------------ compute (fast path)
+    async def register_key(self, key: bytes) -> int:
+        """A handle for an AES key (16, 24 or 32 bytes) for encrypt/decrypt jobs."""
+        reply: session_pb2.KeyHandle = await self._client._call(  # noqa: SLF001
+            self._client.stubs.sessions.RegisterKey,
+            session_pb2.RegisterKeyRequest(session=self.name, key=key, request_id=uuid.uuid4().hex),
+        )
+        return reply.handle
+
+    async def submit_compute(
+        self, kind: str, source: Target, destination: Target, *, parameter: int | str = 0
+    ) -> Job:
+        """Queue a compute job; the output is WRITTEN to `destination`.
+
+        `kind`: sha256, compress or decompress (parameter: "lz4" or "zstd"), encrypt or
+        decrypt (parameter: a key handle from `register_key`). The output's size is the
+        completion's bytes_written.
+        """
+        job_kind = _COMPUTE_KINDS.get(kind)
+        if job_kind is None:
+            choices = ", ".join(_COMPUTE_KINDS)
+            raise InvalidArgumentError("INVALID_ARGUMENT", f"compute kind is one of {choices}")
+        if isinstance(parameter, str):
+            if parameter not in _FORMATS:
+                raise InvalidArgumentError("INVALID_ARGUMENT", "format is lz4 or zstd")
+            parameter = _FORMATS[parameter]
+        src, dst = _ref(source).span(), _ref(destination).span()
+        return await self._submit(job_kind, src, dst, None, handle=parameter)
+
+    async def compute(
+        self, kind: str, source: Target, destination: Target, *, parameter: int | str = 0
+    ) -> Completion:
+        """A compute job, waited for; raise the matching DpuError if it failed."""
+        job = await self.submit_compute(kind, source, destination, parameter=parameter)
+        return (await job).raise_for_status()
 
     async def write_volume(
         self, volume: str, offset: int, source: Target, *, fua: bool = False

@@ -10,18 +10,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import hashlib
 import time
 from typing import TYPE_CHECKING, Final
 
 import crc32c
 
 from dpu_agent import status
+from dpu_agent.dataplane import compute
 from dpu_agent.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from dpu_wire import capsule
 from dpu_wire.capsule import VOLUME_KINDS, JobKind, Span, State
 from dpu_wire.transport.base import Access
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from dpu_agent.dataplane.regions import RegionTable
     from dpu_agent.storage import VolumeStore
     from dpu_wire.transport.base import AgentTransport, Region
@@ -68,6 +72,9 @@ class JobRecord:
     offset: int = 0  # volume kinds: byte offset in the volume
     length: int = 0  # VOLUME_TRIM: bytes to trim
     fua: bool = False  # VOLUME_WRITE: durable before the completion
+    parameter: int = 0  # COMPRESS/DECOMPRESS: the format
+    key: bytes = dataclasses.field(default=b"", repr=False)  # ENCRYPT/DECRYPT; never shown
+    digest: bytes = b""  # SHA256: the result
     submit_ns: int = dataclasses.field(default_factory=time.time_ns)
     state: JobState = JobState.QUEUED
     start_ns: int = 0
@@ -119,7 +126,13 @@ SPANS: Final = {
     JobKind.VOLUME_READ: (False, True),
     JobKind.VOLUME_FLUSH: (False, False),
     JobKind.VOLUME_TRIM: (False, False),
+    JobKind.SHA256: (True, True),
+    JobKind.COMPRESS: (True, True),
+    JobKind.DECOMPRESS: (True, True),
+    JobKind.ENCRYPT: (True, True),
+    JobKind.DECRYPT: (True, True),
 }
+SHA256_BYTES: Final = 32
 
 
 def check_spans(job: JobRecord, regions: RegionTable) -> None:
@@ -141,6 +154,12 @@ def check_spans(job: JobRecord, regions: RegionTable) -> None:
         )
     if job.kind in VOLUME_KINDS and not job.volume_id:
         raise InvalidArgument(f"{what}: names no volume")
+    if job.kind == JobKind.SHA256 and job.destination.length < SHA256_BYTES:
+        raise InvalidArgument(f"sha256: the destination must hold {SHA256_BYTES} bytes")
+    if job.kind in (JobKind.COMPRESS, JobKind.DECOMPRESS):
+        compute.check_format(job.parameter)
+    if job.kind in (JobKind.ENCRYPT, JobKind.DECRYPT) and not job.key:
+        raise InvalidArgument(f"{what}: no key is registered under that handle")
 
 
 class StagingPool:
@@ -190,6 +209,11 @@ class JobRunner:
             JobKind.VOLUME_READ: self._volume_read,
             JobKind.VOLUME_FLUSH: self._volume_flush,
             JobKind.VOLUME_TRIM: self._volume_trim,
+            JobKind.SHA256: self._sha256,
+            JobKind.COMPRESS: self._transform,
+            JobKind.DECOMPRESS: self._transform,
+            JobKind.ENCRYPT: self._transform,
+            JobKind.DECRYPT: self._transform,
         }
 
     async def run(self, job: JobRecord) -> None:
@@ -229,6 +253,52 @@ class JobRunner:
             buffer.view[:size] = data
             await self._transport.write(buffer, 0, size, dst.addr + offset, dst.rkey)
             out.bytes_written += size
+
+    async def _sha256(self, job: JobRecord, buffer: Region) -> None:
+        digest = hashlib.sha256()
+        async for view in self._read_all(job, buffer):
+            digest.update(view)
+        job.digest = digest.digest()
+        await self._write_all(job, buffer, job.digest)
+
+    async def _transform(self, job: JobRecord, buffer: Region) -> None:
+        data = bytearray()
+        async for view in self._read_all(job, buffer):
+            data += view
+        limit = job.destination.length
+        if job.kind == JobKind.COMPRESS:
+            out = await asyncio.to_thread(compute.compress, job.parameter, data)
+        elif job.kind == JobKind.DECOMPRESS:
+            out = await asyncio.to_thread(compute.decompress, job.parameter, data, limit)
+        elif job.kind == JobKind.ENCRYPT:
+            out = await asyncio.to_thread(compute.encrypt, job.key, data)
+        else:
+            out = await asyncio.to_thread(compute.decrypt, job.key, data)
+        await self._write_all(job, buffer, out)
+
+    async def _read_all(self, job: JobRecord, buffer: Region) -> AsyncIterator[memoryview]:
+        """The source, chunk by chunk, through the staging buffer."""
+        src = job.source
+        for offset, size in self._chunks(src.length):
+            self._checkpoint(job)
+            await self._transport.read(buffer, 0, size, src.addr + offset, src.rkey)
+            job.progress.bytes_read += size
+            yield buffer.view[:size]
+
+    async def _write_all(self, job: JobRecord, buffer: Region, data: bytes) -> None:
+        """WRITE `data` to the start of the destination; the result is its size."""
+        dst = job.destination
+        if len(data) > dst.length:
+            raise InvalidArgument(
+                f"{job.kind.name.lower()}: the output ({len(data)} bytes) does not fit the "
+                f"destination ({dst.length} bytes)"
+            )
+        for offset, size in self._chunks(len(data)):
+            self._checkpoint(job)
+            buffer.view[:size] = data[offset : offset + size]
+            await self._transport.write(buffer, 0, size, dst.addr + offset, dst.rkey)
+            job.progress.bytes_written += size
+        job.progress.result = len(data)
 
     async def _volume_flush(self, job: JobRecord, _buffer: Region) -> None:
         self._checkpoint(job)

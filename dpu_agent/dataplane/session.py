@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Final
 
 from dpu_agent import status
+from dpu_agent.dataplane import compute
 from dpu_agent.dataplane.jobs import (
     JobRecord,
     JobRunner,
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 
 WATCHER_BACKLOG: Final = 65536
 MAX_ATTACHED_VOLUMES: Final = 1024
+MAX_KEYS: Final = 256
+KEYED_KINDS: Final = frozenset({JobKind.ENCRYPT, JobKind.DECRYPT})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +161,8 @@ class Session:
         self._volumes: dict[int, str] = {}  # capsule handle -> volume id
         self._handles: dict[str, int] = {}
         self._next_handle = itertools.count(1)
+        self._keys: dict[int, bytes] = {}  # encrypt/decrypt key handle -> key (memory only)
+        self._next_key = itertools.count(1)
         self._idle = asyncio.Event()  # set while no job is open
         self._idle.set()
 
@@ -209,6 +214,7 @@ class Session:
         for watcher in self._watchers:
             watcher.put(None)
         self.regions = RegionTable()
+        self._keys.clear()
 
     @property
     def active(self) -> bool:
@@ -240,6 +246,7 @@ class Session:
         destination: Span,
         *,
         volume: VolumeTarget | None = None,
+        parameter: int = 0,
         deadline: float = 0.0,
         request_id: str = "",
         wait_for_slot: bool = False,
@@ -261,6 +268,8 @@ class Session:
             offset=target.offset,
             length=target.length,
             fua=target.fua,
+            parameter=parameter,
+            key=self._keys.get(parameter, b"") if kind in KEYED_KINDS else b"",
         )
         check_spans(job, self.regions)
         if self._slots.locked() and not wait_for_slot:
@@ -419,6 +428,8 @@ class Session:
             offset=sub.offset,
             length=sub.length,
             fua=bool(sub.flags & capsule.FLAG_FUA),
+            parameter=sub.handle,
+            key=self._keys.get(sub.handle, b"") if sub.kind in KEYED_KINDS else b"",
         )
         try:
             self._require_active()
@@ -461,6 +472,16 @@ class Session:
         if handle is None:
             raise NotFound(f"volumes/{volume_id} is not attached to {self.name}")
         del self._volumes[handle]
+
+    def register_key(self, key: bytes) -> int:
+        """A handle for an AES key, for this session's encrypt and decrypt jobs."""
+        self._require_active()
+        compute.check_key(key)
+        if len(self._keys) >= MAX_KEYS:
+            raise ResourceExhausted(f"a session registers at most {MAX_KEYS} keys")
+        handle = next(self._next_key)
+        self._keys[handle] = key
+        return handle
 
     # ------------------------------------------------------------------ watchers
     def watch(self, *, include_retained: bool, origin: Origin | None = None) -> Watcher:

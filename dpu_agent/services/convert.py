@@ -118,6 +118,8 @@ def completion(s: Session, job: JobRecord) -> job_pb2.Completion:
     )
     if c.state == State.SUCCEEDED and job.kind.name == "CRC32C":
         message.crc32c = c.result
+    if c.state == State.SUCCEEDED and job.digest:
+        message.sha256 = job.digest
     return message
 
 

@@ -44,10 +44,33 @@ def _volume(name: str, what: str) -> str:
     return volume_id
 
 
+_COMPUTE: dict[str, JobKind] = {
+    "sha256": JobKind.SHA256,
+    "compress": JobKind.COMPRESS,
+    "decompress": JobKind.DECOMPRESS,
+    "encrypt": JobKind.ENCRYPT,
+    "decrypt": JobKind.DECRYPT,
+}
+
+
+def _compute_fields(session: Session, spec: job_pb2.JobSpec, kind: str) -> tuple[Span, Span, int]:
+    """(source, destination, parameter) of a compute JobSpec."""
+    job = getattr(spec, kind)
+    where = f"spec.{kind}"
+    src = _span(session, job.source, f"{where}.source")
+    dst = _span(session, job.destination, f"{where}.destination")
+    parameter = 0
+    if kind in ("compress", "decompress"):
+        parameter = int(job.format)
+    elif kind in ("encrypt", "decrypt"):
+        parameter = int(job.key_handle)
+    return src, dst, parameter
+
+
 def _job_fields(
     session: Session, spec: job_pb2.JobSpec
 ) -> tuple[JobKind, Span, Span, VolumeTarget | None]:
-    """(kind, source span, destination span, volume target) of a JobSpec."""
+    """(kind, source span, destination span, volume target) of a non-compute JobSpec."""
     kind = spec.WhichOneof("kind")
     where = f"spec.{kind}"
     if kind == "copy":
@@ -78,7 +101,7 @@ def _job_fields(
         return JobKind.VOLUME_TRIM, Span(), Span(), target
     raise InvalidArgument(
         "spec: a job kind is required (copy, crc32c, volume_write, volume_read, "
-        "volume_flush, volume_trim)"
+        "volume_flush, volume_trim, sha256, compress, decompress, encrypt, decrypt)"
     )
 
 
@@ -101,12 +124,19 @@ class JobService(job_pb2_grpc.JobServiceServicer):
         """Queue a job on a session."""
         session = self._manager.get(request.session)
         spec = request.spec
-        kind, source, destination, volume = _job_fields(session, spec)
+        kind_name = spec.WhichOneof("kind") or ""
+        parameter = 0
+        if kind_name in _COMPUTE:
+            kind, volume = _COMPUTE[kind_name], None
+            source, destination, parameter = _compute_fields(session, spec, kind_name)
+        else:
+            kind, source, destination, volume = _job_fields(session, spec)
         record = await session.submit(
             kind,
             source,
             destination,
             volume=volume,
+            parameter=parameter,
             deadline=spec.deadline.ToTimedelta().total_seconds(),
             request_id=request.request_id,
             wait_for_slot=request.wait_for_slot,

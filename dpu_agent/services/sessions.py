@@ -119,6 +119,14 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         session.detach(volume_id)
         return session_pb2.DetachVolumeResponse()
 
+    async def RegisterKey(
+        self, request: session_pb2.RegisterKeyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> session_pb2.KeyHandle:
+        """Keep an AES key for this session's encrypt/decrypt jobs; answer its handle."""
+        session = self._manager.get(request.session)
+        handle = session.register_key(bytes(request.key))
+        return session_pb2.KeyHandle(session=session.name, handle=handle)
+
     async def WithdrawRegion(
         self,
         request: session_pb2.WithdrawRegionRequest,

@@ -26,7 +26,7 @@ import threading
 from typing import TYPE_CHECKING, Final
 
 import crc32c
-import lz4.block  # type: ignore[import-untyped]  # lz4 ships no type information
+import lz4.block
 import zstandard
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 

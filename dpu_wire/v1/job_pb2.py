@@ -28,17 +28,19 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x64pu/v1/job.proto\x12\x06\x64pu.v1\x1a\x13\x64pu/v1/common.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"T\n\x07\x43opyJob\x12!\n\x06source\x18\x01 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12&\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x11.dpu.v1.RegionRef\".\n\tCrc32cJob\x12!\n\x06source\x18\x01 \x01(\x0b\x32\x11.dpu.v1.RegionRef\"`\n\x0eVolumeWriteJob\x12\x0e\n\x06volume\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12!\n\x06source\x18\x03 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12\x0b\n\x03\x66ua\x18\x04 \x01(\x08\"W\n\rVolumeReadJob\x12\x0e\n\x06volume\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12&\n\x0b\x64\x65stination\x18\x03 \x01(\x0b\x32\x11.dpu.v1.RegionRef\" \n\x0eVolumeFlushJob\x12\x0e\n\x06volume\x18\x01 \x01(\t\"?\n\rVolumeTrimJob\x12\x0e\n\x06volume\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"\xc0\x02\n\x07JobSpec\x12\x1f\n\x04\x63opy\x18\x01 \x01(\x0b\x32\x0f.dpu.v1.CopyJobH\x00\x12#\n\x06\x63rc32c\x18\x02 \x01(\x0b\x32\x11.dpu.v1.Crc32cJobH\x00\x12.\n\x0cvolume_write\x18\x03 \x01(\x0b\x32\x16.dpu.v1.VolumeWriteJobH\x00\x12,\n\x0bvolume_read\x18\x04 \x01(\x0b\x32\x15.dpu.v1.VolumeReadJobH\x00\x12.\n\x0cvolume_flush\x18\x05 \x01(\x0b\x32\x16.dpu.v1.VolumeFlushJobH\x00\x12,\n\x0bvolume_trim\x18\x06 \x01(\x0b\x32\x15.dpu.v1.VolumeTrimJobH\x00\x12+\n\x08\x64\x65\x61\x64line\x18  \x01(\x0b\x32\x19.google.protobuf.DurationB\x06\n\x04kind\"\xd0\x01\n\x03Job\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x1d\n\x04spec\x18\x04 \x01(\x0b\x32\x0f.dpu.v1.JobSpec\x12\x1f\n\x05state\x18\x05 \x01(\x0e\x32\x10.dpu.v1.JobState\x12/\n\x0bsubmit_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\ncompletion\x18\x07 \x01(\x0b\x32\x12.dpu.v1.Completion\"\xd4\x02\n\nCompletion\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\x04\x12\x1f\n\x05state\x18\x03 \x01(\x0e\x32\x10.dpu.v1.JobState\x12\x1e\n\x06status\x18\x04 \x01(\x0b\x32\x0e.dpu.v1.Status\x12\x12\n\nbytes_read\x18\x05 \x01(\x04\x12\x15\n\rbytes_written\x18\x06 \x01(\x04\x12\x10\n\x06\x63rc32c\x18\x07 \x01(\rH\x00\x12/\n\x0bsubmit_time\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nrequest_id\x18\x13 \x01(\tB\x08\n\x06result\"m\n\x10SubmitJobRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x1d\n\x04spec\x18\x02 \x01(\x0b\x32\x0f.dpu.v1.JobSpec\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x15\n\rwait_for_slot\x18\x04 \x01(\x08\"\x1d\n\rGetJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"j\n\x0fListJobsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\x1f\n\x05state\x18\x04 \x01(\x0e\x32\x10.dpu.v1.JobState\"F\n\x10ListJobsResponse\x12\x19\n\x04jobs\x18\x01 \x03(\x0b\x32\x0b.dpu.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"4\n\x10\x43\x61ncelJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"g\n\x17WatchCompletionsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x18\n\x10include_retained\x18\x02 \x01(\x08\x12!\n\x06origin\x18\x03 \x01(\x0e\x32\x11.dpu.v1.JobOrigin*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05*S\n\tJobOrigin\x12\x1a\n\x16JOB_ORIGIN_UNSPECIFIED\x10\x00\x12\x16\n\x12JOB_ORIGIN_CAPSULE\x10\x01\x12\x12\n\x0eJOB_ORIGIN_RPC\x10\x02\x32\xac\x02\n\nJobService\x12\x32\n\tSubmitJob\x12\x18.dpu.v1.SubmitJobRequest\x1a\x0b.dpu.v1.Job\x12,\n\x06GetJob\x12\x15.dpu.v1.GetJobRequest\x1a\x0b.dpu.v1.Job\x12=\n\x08ListJobs\x12\x17.dpu.v1.ListJobsRequest\x1a\x18.dpu.v1.ListJobsResponse\x12\x32\n\tCancelJob\x12\x18.dpu.v1.CancelJobRequest\x1a\x0b.dpu.v1.Job\x12I\n\x10WatchCompletions\x12\x1f.dpu.v1.WatchCompletionsRequest\x1a\x12.dpu.v1.Completion0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x64pu/v1/job.proto\x12\x06\x64pu.v1\x1a\x13\x64pu/v1/common.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"T\n\x07\x43opyJob\x12!\n\x06source\x18\x01 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12&\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x11.dpu.v1.RegionRef\".\n\tCrc32cJob\x12!\n\x06source\x18\x01 \x01(\x0b\x32\x11.dpu.v1.RegionRef\"`\n\x0eVolumeWriteJob\x12\x0e\n\x06volume\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12!\n\x06source\x18\x03 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12\x0b\n\x03\x66ua\x18\x04 \x01(\x08\"W\n\rVolumeReadJob\x12\x0e\n\x06volume\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12&\n\x0b\x64\x65stination\x18\x03 \x01(\x0b\x32\x11.dpu.v1.RegionRef\" \n\x0eVolumeFlushJob\x12\x0e\n\x06volume\x18\x01 \x01(\t\"V\n\tSha256Job\x12!\n\x06source\x18\x01 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12&\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x11.dpu.v1.RegionRef\"}\n\x0b\x43ompressJob\x12!\n\x06source\x18\x01 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12&\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12#\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x13.dpu.v1.CodecFormat\"\x7f\n\rDecompressJob\x12!\n\x06source\x18\x01 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12&\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12#\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x13.dpu.v1.CodecFormat\"k\n\nEncryptJob\x12!\n\x06source\x18\x01 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12&\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12\x12\n\nkey_handle\x18\x03 \x01(\r\"k\n\nDecryptJob\x12!\n\x06source\x18\x01 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12&\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x11.dpu.v1.RegionRef\x12\x12\n\nkey_handle\x18\x03 \x01(\r\"?\n\rVolumeTrimJob\x12\x0e\n\x06volume\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"\x89\x04\n\x07JobSpec\x12\x1f\n\x04\x63opy\x18\x01 \x01(\x0b\x32\x0f.dpu.v1.CopyJobH\x00\x12#\n\x06\x63rc32c\x18\x02 \x01(\x0b\x32\x11.dpu.v1.Crc32cJobH\x00\x12.\n\x0cvolume_write\x18\x03 \x01(\x0b\x32\x16.dpu.v1.VolumeWriteJobH\x00\x12,\n\x0bvolume_read\x18\x04 \x01(\x0b\x32\x15.dpu.v1.VolumeReadJobH\x00\x12.\n\x0cvolume_flush\x18\x05 \x01(\x0b\x32\x16.dpu.v1.VolumeFlushJobH\x00\x12,\n\x0bvolume_trim\x18\x06 \x01(\x0b\x32\x15.dpu.v1.VolumeTrimJobH\x00\x12#\n\x06sha256\x18\x07 \x01(\x0b\x32\x11.dpu.v1.Sha256JobH\x00\x12\'\n\x08\x63ompress\x18\x08 \x01(\x0b\x32\x13.dpu.v1.CompressJobH\x00\x12+\n\ndecompress\x18\t \x01(\x0b\x32\x15.dpu.v1.DecompressJobH\x00\x12%\n\x07\x65ncrypt\x18\n \x01(\x0b\x32\x12.dpu.v1.EncryptJobH\x00\x12%\n\x07\x64\x65\x63rypt\x18\x0b \x01(\x0b\x32\x12.dpu.v1.DecryptJobH\x00\x12+\n\x08\x64\x65\x61\x64line\x18  \x01(\x0b\x32\x19.google.protobuf.DurationB\x06\n\x04kind\"\xd0\x01\n\x03Job\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x1d\n\x04spec\x18\x04 \x01(\x0b\x32\x0f.dpu.v1.JobSpec\x12\x1f\n\x05state\x18\x05 \x01(\x0e\x32\x10.dpu.v1.JobState\x12/\n\x0bsubmit_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\ncompletion\x18\x07 \x01(\x0b\x32\x12.dpu.v1.Completion\"\xe6\x02\n\nCompletion\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\x04\x12\x1f\n\x05state\x18\x03 \x01(\x0e\x32\x10.dpu.v1.JobState\x12\x1e\n\x06status\x18\x04 \x01(\x0b\x32\x0e.dpu.v1.Status\x12\x12\n\nbytes_read\x18\x05 \x01(\x04\x12\x15\n\rbytes_written\x18\x06 \x01(\x04\x12\x10\n\x06\x63rc32c\x18\x07 \x01(\rH\x00\x12\x10\n\x06sha256\x18\x08 \x01(\x0cH\x00\x12/\n\x0bsubmit_time\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nrequest_id\x18\x13 \x01(\tB\x08\n\x06result\"m\n\x10SubmitJobRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x1d\n\x04spec\x18\x02 \x01(\x0b\x32\x0f.dpu.v1.JobSpec\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x15\n\rwait_for_slot\x18\x04 \x01(\x08\"\x1d\n\rGetJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"j\n\x0fListJobsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\x1f\n\x05state\x18\x04 \x01(\x0e\x32\x10.dpu.v1.JobState\"F\n\x10ListJobsResponse\x12\x19\n\x04jobs\x18\x01 \x03(\x0b\x32\x0b.dpu.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"4\n\x10\x43\x61ncelJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"g\n\x17WatchCompletionsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x18\n\x10include_retained\x18\x02 \x01(\x08\x12!\n\x06origin\x18\x03 \x01(\x0e\x32\x11.dpu.v1.JobOrigin*X\n\x0b\x43odecFormat\x12\x1c\n\x18\x43ODEC_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43ODEC_FORMAT_LZ4\x10\x01\x12\x15\n\x11\x43ODEC_FORMAT_ZSTD\x10\x02*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05*S\n\tJobOrigin\x12\x1a\n\x16JOB_ORIGIN_UNSPECIFIED\x10\x00\x12\x16\n\x12JOB_ORIGIN_CAPSULE\x10\x01\x12\x12\n\x0eJOB_ORIGIN_RPC\x10\x02\x32\xac\x02\n\nJobService\x12\x32\n\tSubmitJob\x12\x18.dpu.v1.SubmitJobRequest\x1a\x0b.dpu.v1.Job\x12,\n\x06GetJob\x12\x15.dpu.v1.GetJobRequest\x1a\x0b.dpu.v1.Job\x12=\n\x08ListJobs\x12\x17.dpu.v1.ListJobsRequest\x1a\x18.dpu.v1.ListJobsResponse\x12\x32\n\tCancelJob\x12\x18.dpu.v1.CancelJobRequest\x1a\x0b.dpu.v1.Job\x12I\n\x10WatchCompletions\x12\x1f.dpu.v1.WatchCompletionsRequest\x1a\x12.dpu.v1.Completion0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dpu.v1.job_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1893
-  _globals['_JOBSTATE']._serialized_end=2047
-  _globals['_JOBORIGIN']._serialized_start=2049
-  _globals['_JOBORIGIN']._serialized_end=2132
+  _globals['_CODECFORMAT']._serialized_start=2673
+  _globals['_CODECFORMAT']._serialized_end=2761
+  _globals['_JOBSTATE']._serialized_start=2764
+  _globals['_JOBSTATE']._serialized_end=2918
+  _globals['_JOBORIGIN']._serialized_start=2920
+  _globals['_JOBORIGIN']._serialized_end=3003
   _globals['_COPYJOB']._serialized_start=114
   _globals['_COPYJOB']._serialized_end=198
   _globals['_CRC32CJOB']._serialized_start=200
@@ -49,26 +51,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VOLUMEREADJOB']._serialized_end=433
   _globals['_VOLUMEFLUSHJOB']._serialized_start=435
   _globals['_VOLUMEFLUSHJOB']._serialized_end=467
-  _globals['_VOLUMETRIMJOB']._serialized_start=469
-  _globals['_VOLUMETRIMJOB']._serialized_end=532
-  _globals['_JOBSPEC']._serialized_start=535
-  _globals['_JOBSPEC']._serialized_end=855
-  _globals['_JOB']._serialized_start=858
-  _globals['_JOB']._serialized_end=1066
-  _globals['_COMPLETION']._serialized_start=1069
-  _globals['_COMPLETION']._serialized_end=1409
-  _globals['_SUBMITJOBREQUEST']._serialized_start=1411
-  _globals['_SUBMITJOBREQUEST']._serialized_end=1520
-  _globals['_GETJOBREQUEST']._serialized_start=1522
-  _globals['_GETJOBREQUEST']._serialized_end=1551
-  _globals['_LISTJOBSREQUEST']._serialized_start=1553
-  _globals['_LISTJOBSREQUEST']._serialized_end=1659
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1661
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1731
-  _globals['_CANCELJOBREQUEST']._serialized_start=1733
-  _globals['_CANCELJOBREQUEST']._serialized_end=1785
-  _globals['_WATCHCOMPLETIONSREQUEST']._serialized_start=1787
-  _globals['_WATCHCOMPLETIONSREQUEST']._serialized_end=1890
-  _globals['_JOBSERVICE']._serialized_start=2135
-  _globals['_JOBSERVICE']._serialized_end=2435
+  _globals['_SHA256JOB']._serialized_start=469
+  _globals['_SHA256JOB']._serialized_end=555
+  _globals['_COMPRESSJOB']._serialized_start=557
+  _globals['_COMPRESSJOB']._serialized_end=682
+  _globals['_DECOMPRESSJOB']._serialized_start=684
+  _globals['_DECOMPRESSJOB']._serialized_end=811
+  _globals['_ENCRYPTJOB']._serialized_start=813
+  _globals['_ENCRYPTJOB']._serialized_end=920
+  _globals['_DECRYPTJOB']._serialized_start=922
+  _globals['_DECRYPTJOB']._serialized_end=1029
+  _globals['_VOLUMETRIMJOB']._serialized_start=1031
+  _globals['_VOLUMETRIMJOB']._serialized_end=1094
+  _globals['_JOBSPEC']._serialized_start=1097
+  _globals['_JOBSPEC']._serialized_end=1618
+  _globals['_JOB']._serialized_start=1621
+  _globals['_JOB']._serialized_end=1829
+  _globals['_COMPLETION']._serialized_start=1832
+  _globals['_COMPLETION']._serialized_end=2190
+  _globals['_SUBMITJOBREQUEST']._serialized_start=2192
+  _globals['_SUBMITJOBREQUEST']._serialized_end=2301
+  _globals['_GETJOBREQUEST']._serialized_start=2303
+  _globals['_GETJOBREQUEST']._serialized_end=2332
+  _globals['_LISTJOBSREQUEST']._serialized_start=2334
+  _globals['_LISTJOBSREQUEST']._serialized_end=2440
+  _globals['_LISTJOBSRESPONSE']._serialized_start=2442
+  _globals['_LISTJOBSRESPONSE']._serialized_end=2512
+  _globals['_CANCELJOBREQUEST']._serialized_start=2514
+  _globals['_CANCELJOBREQUEST']._serialized_end=2566
+  _globals['_WATCHCOMPLETIONSREQUEST']._serialized_start=2568
+  _globals['_WATCHCOMPLETIONSREQUEST']._serialized_end=2671
+  _globals['_JOBSERVICE']._serialized_start=3006
+  _globals['_JOBSERVICE']._serialized_end=3306
 # @@protoc_insertion_point(module_scope)

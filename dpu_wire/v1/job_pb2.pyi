@@ -26,6 +26,28 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _CodecFormat:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CodecFormatEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CodecFormat.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CODEC_FORMAT_UNSPECIFIED: _CodecFormat.ValueType  # 0
+    CODEC_FORMAT_LZ4: _CodecFormat.ValueType  # 1
+    """LZ4 frame"""
+    CODEC_FORMAT_ZSTD: _CodecFormat.ValueType  # 2
+    """Zstandard frame"""
+
+class CodecFormat(_CodecFormat, metaclass=_CodecFormatEnumTypeWrapper):
+    """Compression formats of compute jobs (frames, self-describing)."""
+
+CODEC_FORMAT_UNSPECIFIED: CodecFormat.ValueType  # 0
+CODEC_FORMAT_LZ4: CodecFormat.ValueType  # 1
+"""LZ4 frame"""
+CODEC_FORMAT_ZSTD: CodecFormat.ValueType  # 2
+"""Zstandard frame"""
+Global___CodecFormat: _TypeAlias = CodecFormat  # noqa: Y015
+
 class _JobState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -209,6 +231,153 @@ class VolumeFlushJob(_message.Message):
 Global___VolumeFlushJob: _TypeAlias = VolumeFlushJob  # noqa: Y015
 
 @_typing.final
+class Sha256Job(_message.Message):
+    """SHA-256 of a host region; the 32-byte digest is WRITTEN to the destination and
+    returned in the completion.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    DESTINATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def source(self) -> _common_pb2.RegionRef: ...
+    @_builtins.property
+    def destination(self) -> _common_pb2.RegionRef:
+        """at least 32 bytes"""
+
+    def __init__(
+        self,
+        *,
+        source: _common_pb2.RegionRef | None = ...,
+        destination: _common_pb2.RegionRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Sha256Job: _TypeAlias = Sha256Job  # noqa: Y015
+
+@_typing.final
+class CompressJob(_message.Message):
+    """Compress (or decompress) a host region into another; the output size is
+    bytes_written. An output that does not fit the destination fails the job.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    DESTINATION_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
+    format: Global___CodecFormat.ValueType
+    @_builtins.property
+    def source(self) -> _common_pb2.RegionRef: ...
+    @_builtins.property
+    def destination(self) -> _common_pb2.RegionRef: ...
+    def __init__(
+        self,
+        *,
+        source: _common_pb2.RegionRef | None = ...,
+        destination: _common_pb2.RegionRef | None = ...,
+        format: Global___CodecFormat.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "format", b"format", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompressJob: _TypeAlias = CompressJob  # noqa: Y015
+
+@_typing.final
+class DecompressJob(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    DESTINATION_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
+    format: Global___CodecFormat.ValueType
+    @_builtins.property
+    def source(self) -> _common_pb2.RegionRef: ...
+    @_builtins.property
+    def destination(self) -> _common_pb2.RegionRef: ...
+    def __init__(
+        self,
+        *,
+        source: _common_pb2.RegionRef | None = ...,
+        destination: _common_pb2.RegionRef | None = ...,
+        format: Global___CodecFormat.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "format", b"format", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecompressJob: _TypeAlias = DecompressJob  # noqa: Y015
+
+@_typing.final
+class EncryptJob(_message.Message):
+    """AES-GCM with a key registered on the session (SessionService.RegisterKey).
+    Encrypt writes nonce (12 bytes) || ciphertext || tag (16 bytes); decrypt takes
+    that layout and fails with DATA_LOSS when the tag does not verify.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    DESTINATION_FIELD_NUMBER: _builtins.int
+    KEY_HANDLE_FIELD_NUMBER: _builtins.int
+    key_handle: _builtins.int
+    @_builtins.property
+    def source(self) -> _common_pb2.RegionRef: ...
+    @_builtins.property
+    def destination(self) -> _common_pb2.RegionRef: ...
+    def __init__(
+        self,
+        *,
+        source: _common_pb2.RegionRef | None = ...,
+        destination: _common_pb2.RegionRef | None = ...,
+        key_handle: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "key_handle", b"key_handle", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EncryptJob: _TypeAlias = EncryptJob  # noqa: Y015
+
+@_typing.final
+class DecryptJob(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    DESTINATION_FIELD_NUMBER: _builtins.int
+    KEY_HANDLE_FIELD_NUMBER: _builtins.int
+    key_handle: _builtins.int
+    @_builtins.property
+    def source(self) -> _common_pb2.RegionRef: ...
+    @_builtins.property
+    def destination(self) -> _common_pb2.RegionRef: ...
+    def __init__(
+        self,
+        *,
+        source: _common_pb2.RegionRef | None = ...,
+        destination: _common_pb2.RegionRef | None = ...,
+        key_handle: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination", b"destination", "key_handle", b"key_handle", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecryptJob: _TypeAlias = DecryptJob  # noqa: Y015
+
+@_typing.final
 class VolumeTrimJob(_message.Message):
     """Forget a block-aligned range; it reads as zeros afterwards."""
 
@@ -245,6 +414,11 @@ class JobSpec(_message.Message):
     VOLUME_READ_FIELD_NUMBER: _builtins.int
     VOLUME_FLUSH_FIELD_NUMBER: _builtins.int
     VOLUME_TRIM_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    COMPRESS_FIELD_NUMBER: _builtins.int
+    DECOMPRESS_FIELD_NUMBER: _builtins.int
+    ENCRYPT_FIELD_NUMBER: _builtins.int
+    DECRYPT_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def copy(self) -> Global___CopyJob: ...
@@ -257,8 +431,18 @@ class JobSpec(_message.Message):
     @_builtins.property
     def volume_flush(self) -> Global___VolumeFlushJob: ...
     @_builtins.property
-    def volume_trim(self) -> Global___VolumeTrimJob:
-        """Field numbers 7-31 are reserved for compute kinds."""
+    def volume_trim(self) -> Global___VolumeTrimJob: ...
+    @_builtins.property
+    def sha256(self) -> Global___Sha256Job: ...
+    @_builtins.property
+    def compress(self) -> Global___CompressJob: ...
+    @_builtins.property
+    def decompress(self) -> Global___DecompressJob: ...
+    @_builtins.property
+    def encrypt(self) -> Global___EncryptJob: ...
+    @_builtins.property
+    def decrypt(self) -> Global___DecryptJob:
+        """Field numbers 12-31 are reserved for more kinds."""
 
     @_builtins.property
     def deadline(self) -> _duration_pb2.Duration:
@@ -273,13 +457,18 @@ class JobSpec(_message.Message):
         volume_read: Global___VolumeReadJob | None = ...,
         volume_flush: Global___VolumeFlushJob | None = ...,
         volume_trim: Global___VolumeTrimJob | None = ...,
+        sha256: Global___Sha256Job | None = ...,
+        compress: Global___CompressJob | None = ...,
+        decompress: Global___DecompressJob | None = ...,
+        encrypt: Global___EncryptJob | None = ...,
+        decrypt: Global___DecryptJob | None = ...,
         deadline: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["copy", b"copy", "crc32c", b"crc32c", "deadline", b"deadline", "kind", b"kind", "volume_flush", b"volume_flush", "volume_read", b"volume_read", "volume_trim", b"volume_trim", "volume_write", b"volume_write"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compress", b"compress", "copy", b"copy", "crc32c", b"crc32c", "deadline", b"deadline", "decompress", b"decompress", "decrypt", b"decrypt", "encrypt", b"encrypt", "kind", b"kind", "sha256", b"sha256", "volume_flush", b"volume_flush", "volume_read", b"volume_read", "volume_trim", b"volume_trim", "volume_write", b"volume_write"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy", b"copy", "crc32c", b"crc32c", "deadline", b"deadline", "kind", b"kind", "volume_flush", b"volume_flush", "volume_read", b"volume_read", "volume_trim", b"volume_trim", "volume_write", b"volume_write"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compress", b"compress", "copy", b"copy", "crc32c", b"crc32c", "deadline", b"deadline", "decompress", b"decompress", "decrypt", b"decrypt", "encrypt", b"encrypt", "kind", b"kind", "sha256", b"sha256", "volume_flush", b"volume_flush", "volume_read", b"volume_read", "volume_trim", b"volume_trim", "volume_write", b"volume_write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["copy", "crc32c", "volume_write", "volume_read", "volume_flush", "volume_trim"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["copy", "crc32c", "volume_write", "volume_read", "volume_flush", "volume_trim", "sha256", "compress", "decompress", "encrypt", "decrypt"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -342,6 +531,7 @@ class Completion(_message.Message):
     BYTES_READ_FIELD_NUMBER: _builtins.int
     BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
     CRC32C_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
     SUBMIT_TIME_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     END_TIME_FIELD_NUMBER: _builtins.int
@@ -354,6 +544,7 @@ class Completion(_message.Message):
     bytes_read: _builtins.int
     bytes_written: _builtins.int
     crc32c: _builtins.int
+    sha256: _builtins.bytes
     request_id: _builtins.str
     @_builtins.property
     def status(self) -> _common_pb2.Status:
@@ -375,16 +566,17 @@ class Completion(_message.Message):
         bytes_read: _builtins.int = ...,
         bytes_written: _builtins.int = ...,
         crc32c: _builtins.int = ...,
+        sha256: _builtins.bytes = ...,
         submit_time: _timestamp_pb2.Timestamp | None = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         end_time: _timestamp_pb2.Timestamp | None = ...,
         request_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["crc32c", b"crc32c", "end_time", b"end_time", "result", b"result", "start_time", b"start_time", "status", b"status", "submit_time", b"submit_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["crc32c", b"crc32c", "end_time", b"end_time", "result", b"result", "sha256", b"sha256", "start_time", b"start_time", "status", b"status", "submit_time", b"submit_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "crc32c", b"crc32c", "end_time", b"end_time", "job", b"job", "job_id", b"job_id", "request_id", b"request_id", "result", b"result", "start_time", b"start_time", "state", b"state", "status", b"status", "submit_time", b"submit_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "crc32c", b"crc32c", "end_time", b"end_time", "job", b"job", "job_id", b"job_id", "request_id", b"request_id", "result", b"result", "sha256", b"sha256", "start_time", b"start_time", "state", b"state", "status", b"status", "submit_time", b"submit_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["crc32c"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["crc32c", "sha256"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

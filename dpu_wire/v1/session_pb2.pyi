@@ -598,3 +598,51 @@ class DetachVolumeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DetachVolumeResponse: _TypeAlias = DetachVolumeResponse  # noqa: Y015
+
+@_typing.final
+class RegisterKeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    session: _builtins.str
+    key: _builtins.bytes
+    """input only"""
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        session: _builtins.str = ...,
+        key: _builtins.bytes = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "request_id", b"request_id", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterKeyRequest: _TypeAlias = RegisterKeyRequest  # noqa: Y015
+
+@_typing.final
+class KeyHandle(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    HANDLE_FIELD_NUMBER: _builtins.int
+    session: _builtins.str
+    handle: _builtins.int
+    def __init__(
+        self,
+        *,
+        session: _builtins.str = ...,
+        handle: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handle", b"handle", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeyHandle: _TypeAlias = KeyHandle  # noqa: Y015

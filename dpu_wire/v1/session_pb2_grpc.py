@@ -75,6 +75,11 @@ class SessionServiceStub:
                 request_serializer=dpu_dot_v1_dot_session__pb2.DetachVolumeRequest.SerializeToString,
                 response_deserializer=dpu_dot_v1_dot_session__pb2.DetachVolumeResponse.FromString,
                 _registered_method=True)
+        self.RegisterKey = channel.unary_unary(
+                '/dpu.v1.SessionService/RegisterKey',
+                request_serializer=dpu_dot_v1_dot_session__pb2.RegisterKeyRequest.SerializeToString,
+                response_deserializer=dpu_dot_v1_dot_session__pb2.KeyHandle.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -138,6 +143,15 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterKey(self, request, context):
+        """Gives an AES key (16, 24 or 32 bytes) a handle for this session's encrypt and
+        decrypt jobs. The key is kept in agent memory only, never returned or logged,
+        and forgotten when the session closes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +194,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.DetachVolume,
                     request_deserializer=dpu_dot_v1_dot_session__pb2.DetachVolumeRequest.FromString,
                     response_serializer=dpu_dot_v1_dot_session__pb2.DetachVolumeResponse.SerializeToString,
+            ),
+            'RegisterKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterKey,
+                    request_deserializer=dpu_dot_v1_dot_session__pb2.RegisterKeyRequest.FromString,
+                    response_serializer=dpu_dot_v1_dot_session__pb2.KeyHandle.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +417,33 @@ class SessionService:
             '/dpu.v1.SessionService/DetachVolume',
             dpu_dot_v1_dot_session__pb2.DetachVolumeRequest.SerializeToString,
             dpu_dot_v1_dot_session__pb2.DetachVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu.v1.SessionService/RegisterKey',
+            dpu_dot_v1_dot_session__pb2.RegisterKeyRequest.SerializeToString,
+            dpu_dot_v1_dot_session__pb2.KeyHandle.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,11 @@ class SessionServiceStub:
     """
     DetachVolume: _grpc.UnaryUnaryMultiCallable[_session_pb2.DetachVolumeRequest, _session_pb2.DetachVolumeResponse]
     """Removes the handle; capsules naming it afterwards fail."""
+    RegisterKey: _grpc.UnaryUnaryMultiCallable[_session_pb2.RegisterKeyRequest, _session_pb2.KeyHandle]
+    """Gives an AES key (16, 24 or 32 bytes) a handle for this session's encrypt and
+    decrypt jobs. The key is kept in agent memory only, never returned or logged,
+    and forgotten when the session closes.
+    """
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
@@ -80,6 +85,11 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """
     DetachVolume: _aio.UnaryUnaryMultiCallable[_session_pb2.DetachVolumeRequest, _session_pb2.DetachVolumeResponse]  # type: ignore[assignment]
     """Removes the handle; capsules naming it afterwards fail."""
+    RegisterKey: _aio.UnaryUnaryMultiCallable[_session_pb2.RegisterKeyRequest, _session_pb2.KeyHandle]  # type: ignore[assignment]
+    """Gives an AES key (16, 24 or 32 bytes) a handle for this session's encrypt and
+    decrypt jobs. The key is kept in agent memory only, never returned or logged,
+    and forgotten when the session closes.
+    """
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -150,5 +160,16 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_session_pb2.DetachVolumeResponse, _abc.Awaitable[_session_pb2.DetachVolumeResponse]]:
         """Removes the handle; capsules naming it afterwards fail."""
+
+    @_abc_1.abstractmethod
+    def RegisterKey(
+        self,
+        request: _session_pb2.RegisterKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_pb2.KeyHandle, _abc.Awaitable[_session_pb2.KeyHandle]]:
+        """Gives an AES key (16, 24 or 32 bytes) a handle for this session's encrypt and
+        decrypt jobs. The key is kept in agent memory only, never returned or logged,
+        and forgotten when the session closes.
+        """
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -98,7 +98,7 @@ def good_submit():
         (lambda b: b"XX" + b[2:], "bad magic", 0),
         (lambda b: b[:2] + b"\x02" + b[3:], "unsupported capsule version 2", 9),
         (lambda b: b[:3] + b"\x09" + b[4:], "unknown opcode 9", 9),
-        (lambda b: b[:16] + b"\x07\x00" + b[18:], "unknown job kind 7", 9),
+        (lambda b: b[:16] + b"\x63\x00" + b[18:], "unknown job kind 99", 9),
         (lambda b: b[:18] + b"\x01\x00" + b[20:], "reserved flags", 9),
         (lambda b: b + b"\x00", "header says 80 bytes but the capsule has 81", 9),
         (lambda b: b[:4] + struct.pack("<I", 60) + b[8:60], "must be 80 bytes", 9),
