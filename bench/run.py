@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench import grpc_unary, storage_io, tcp_dataplane, verbs_jobs, verbs_write
+from bench import compute_jobs, grpc_unary, storage_io, tcp_dataplane, verbs_jobs, verbs_write
 
-BENCHES = (grpc_unary, tcp_dataplane, storage_io, verbs_write, verbs_jobs)
+BENCHES = (grpc_unary, tcp_dataplane, storage_io, compute_jobs, verbs_write, verbs_jobs)
 
 
 def main() -> int:
