@@ -73,7 +73,7 @@ async def through_agent(target: str, kind: str) -> float:
 def main() -> list[Result]:
     """Run and write bench/results/compute_jobs.json."""
     nonce = os.urandom(12)
-    references = {
+    references: dict[str, Callable[[bytes], object]] = {
         "crc32c": crc32c.crc32c,
         "compress": lambda d: zstandard.ZstdCompressor(level=3).compress(d),
         "encrypt": lambda d: AESGCM(KEY).encrypt(nonce, d, None),
