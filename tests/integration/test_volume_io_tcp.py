@@ -1,13 +1,9 @@
 """Volume I/O jobs through the agent over tcp: data services, errors, durability."""
 
-import os
-import signal
-
 import pytest
 
 import host_client
-from tests.integration.conftest import start_agent
-from tests.scenarios import volume_io
+from tests.scenarios import volume_faults, volume_io
 
 pytestmark = pytest.mark.asyncio
 
@@ -59,60 +55,8 @@ async def test_unknown_volume_and_unattached_handle(agent):
 
 
 async def test_corrupted_block_is_detected_on_read(tmp_path):
-    store = tmp_path / "volumes"
-    agent = start_agent(tmp_path, env={"DPU_AGENT_STORAGE_DIR": str(store)})
-    try:
-        async with (
-            host_client.Client(agent.address) as client,
-            await client.open_session(transport="tcp") as session,
-        ):
-            await client.create_volume("rot-1", MiB, crc32c=True)
-            src = await session.alloc(MiB, readable=True)
-            src.view[:] = os.urandom(MiB)
-            await session.write_volume("volumes/rot-1", 0, src, fua=True)
-            files = [p for p in store.rglob("*") if p.is_file() and "rot-1" in p.name]
-            assert files, list(store.rglob("*"))
-            with files[0].open("r+b") as f:
-                f.seek(5 * 4096 + 7)
-                byte = f.read(1)
-                f.seek(5 * 4096 + 7)
-                f.write(bytes([byte[0] ^ 0xFF]))
-            dst = await session.alloc(MiB, writable=True)
-            with pytest.raises(host_client.DataLossError, match="CRC32C"):
-                await session.read_volume("volumes/rot-1", 0, dst)
-            await session.read_volume("volumes/rot-1", 0, dst[0 : 5 * 4096])  # the rest is fine
-    finally:
-        assert agent.terminate() == 0
+    await volume_faults.corrupted_block_is_detected(tmp_path, "tcp", {})
 
 
 async def test_acknowledged_writes_survive_sigkill_of_the_agent(tmp_path):
-    env = {"DPU_AGENT_STORAGE_DIR": str(tmp_path / "volumes")}
-    agent = start_agent(tmp_path, env=env)
-    written = {}
-    async with host_client.Client(agent.address) as client:
-        await client.create_volume(
-            "durable-1", 16 * MiB, crc32c=True, compression="lz4", encryption="aes-xts-256"
-        )
-        async with await client.open_session(transport="tcp") as session:
-            src = await session.alloc(MiB, readable=True)
-            for block in range(12):
-                data = os.urandom(MiB)
-                src.view[:] = data
-                await session.write_volume("volumes/durable-1", block * MiB, src, fua=True)
-                written[block] = data  # acknowledged, with FUA
-            agent.proc.send_signal(signal.SIGKILL)
-            agent.proc.wait(10)
-    restarted = start_agent(tmp_path, env=env)
-    try:
-        async with (
-            host_client.Client(restarted.address) as client,
-            await client.open_session(transport="tcp") as session,
-        ):
-            dst = await session.alloc(MiB, writable=True)
-            for block, data in written.items():
-                await session.read_volume("volumes/durable-1", block * MiB, dst)
-                assert dst.view == data, f"acknowledged block {block} lost"
-            volume = await client.get_volume("volumes/durable-1")
-            assert volume.data_services.crc32c
-    finally:
-        assert restarted.terminate() == 0
+    await volume_faults.acknowledged_writes_survive_sigkill(tmp_path, "tcp", {})

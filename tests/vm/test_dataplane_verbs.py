@@ -10,7 +10,7 @@ import pytest
 
 import host_client
 from tests.integration.conftest import start_agent
-from tests.scenarios import bad_capsules, mixed_jobs, volume_io
+from tests.scenarios import bad_capsules, mixed_jobs, volume_faults, volume_io
 
 pytestmark = [pytest.mark.rdma, pytest.mark.asyncio]
 
@@ -89,3 +89,17 @@ async def test_volume_round_trips_over_rxe(verbs_agent):
     async with host_client.Client(verbs_agent.address, timeout=60) as client:
         checked = await volume_io.round_trips(client, "verbs", "rxe")
     assert checked == len(volume_io.COMBINATIONS) * ((2 << 20) + 4096 + 8192)
+
+
+def _verbs_env(rdma_port):
+    return {"DPU_AGENT_TRANSPORTS": "verbs", "DPU_AGENT_RDMA_DEVICE": rdma_port.device}
+
+
+async def test_corrupted_block_is_detected_over_rxe(rdma_port, tmp_path):
+    await volume_faults.corrupted_block_is_detected(tmp_path, "verbs", _verbs_env(rdma_port))
+
+
+async def test_acknowledged_writes_survive_sigkill_over_rxe(rdma_port, tmp_path):
+    await volume_faults.acknowledged_writes_survive_sigkill(
+        tmp_path, "verbs", _verbs_env(rdma_port)
+    )
