@@ -6,12 +6,12 @@ import subprocess
 import sys
 import textwrap
 
-import crc32c
 import pytest
 
 import host_client
 from dpu_wire.v1 import session_pb2
 from tests.integration.conftest import start_agent
+from tests.scenarios import agent_death
 
 pytestmark = pytest.mark.asyncio
 
@@ -24,42 +24,7 @@ async def list_sessions(client):
 
 
 async def test_agent_killed_fails_pending_jobs_and_the_sdk_reconnects(tmp_path):
-    agent = start_agent(tmp_path, env={"DPU_AGENT_CHUNK_SIZE": "4096"})
-    client = host_client.Client(agent.address, timeout=10)
-    async with client:
-        session = await client.open_session(transport="tcp", queue_depth=8)
-        src = await session.alloc(4 << 20, readable=True)
-        dst = await session.alloc(4 << 20, writable=True)
-        jobs = [await session.submit_copy(src, dst) for _ in range(8)]
-        agent.proc.send_signal(signal.SIGKILL)
-        agent.proc.wait(10)
-        results = await asyncio.wait_for(
-            asyncio.gather(
-                *(asyncio.ensure_future(_await(j)) for j in jobs), return_exceptions=True
-            ),
-            30,
-        )
-        assert all(isinstance(r, host_client.UnavailableError) for r in results), results
-        assert session.failed
-        with pytest.raises(host_client.UnavailableError):
-            await session.submit_copy(src, dst)
-        await session.close()
-
-    restarted = start_agent(tmp_path)
-    try:
-        async with (
-            host_client.Client(restarted.address) as client,
-            await client.open_session(transport="tcp") as session,
-        ):
-            src = await session.alloc(4096, readable=True)
-            src.view[:] = b"x" * 4096
-            assert await session.crc32c(src) == crc32c.crc32c(b"x" * 4096)
-    finally:
-        assert restarted.terminate() == 0
-
-
-async def _await(job):
-    return await job
+    await agent_death.pending_jobs_fail_and_a_new_session_works(tmp_path, "tcp", {})
 
 
 CLIENT = textwrap.dedent(

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
-
-import crc32c
 import pytest
 
 import host_client
 from tests.integration.conftest import start_agent
-from tests.scenarios import bad_capsules, mixed_jobs, volume_faults, volume_io
+from tests.scenarios import agent_death, bad_capsules, mixed_jobs, volume_faults, volume_io
 
 pytestmark = [pytest.mark.rdma, pytest.mark.asyncio]
 
@@ -49,40 +45,9 @@ async def test_bad_capsules_over_rxe(verbs_agent):
 
 
 async def test_agent_killed_mid_jobs_fails_them_and_a_new_session_works(rdma_port, tmp_path):
-    env = {
-        "DPU_AGENT_TRANSPORTS": "verbs",
-        "DPU_AGENT_RDMA_DEVICE": rdma_port.device,
-        "DPU_AGENT_CHUNK_SIZE": "4096",
-    }
-    agent = start_agent(tmp_path, env=env)
-    async with host_client.Client(agent.address, timeout=30) as client:
-        session = await client.open_session(transport="verbs", queue_depth=8)
-        src = await session.alloc(1 << 20, readable=True)
-        dst = await session.alloc(1 << 20, writable=True)
-        jobs = [await session.submit_copy(src, dst) for _ in range(8)]
-        agent.proc.send_signal(signal.SIGKILL)
-        agent.proc.wait(30)
-        results = await asyncio.wait_for(
-            asyncio.gather(*(_completion(j) for j in jobs), return_exceptions=True), 60
-        )
-        assert all(isinstance(r, host_client.UnavailableError) for r in results), results
-        assert session.failed
-        await session.close()
-    restarted = start_agent(tmp_path, env=env)
-    try:
-        async with (
-            host_client.Client(restarted.address, timeout=30) as client,
-            await client.open_session(transport="verbs") as session,
-        ):
-            src = await session.alloc(4096, readable=True)
-            src.view[:] = b"y" * 4096
-            assert await session.crc32c(src) == crc32c.crc32c(b"y" * 4096)
-    finally:
-        assert restarted.terminate() == 0
-
-
-async def _completion(job):
-    return await job
+    await agent_death.pending_jobs_fail_and_a_new_session_works(
+        tmp_path, "verbs", _verbs_env(rdma_port)
+    )
 
 
 async def test_volume_round_trips_over_rxe(verbs_agent):
