@@ -26,6 +26,11 @@ Example file (every key optional):
     dir = ""                      # "" = $STATE_DIRECTORY/volumes (systemd) or
                                   # ~/.local/state/dpu-agent/volumes
 
+    [network]
+    backend = "none"              # memory (rules kept, no datapath) or none; tc is coming
+    ports = "p0,p1,pf*,rep*"      # netdev name patterns of the managed ports
+    rules_file = ""               # "" = next to the volume store: <state>/flow-rules.json
+
     [mqtt]
     enabled = false               # publish completions, status and telemetry
     host = "127.0.0.1"
@@ -87,6 +92,9 @@ class AgentConfig:
     chunk_size: int = 1 << 20
     storage_backend: str = "file"
     storage_dir: str = ""
+    network_backend: str = "none"
+    network_ports: str = "p0,p1,pf*,rep*"
+    network_rules_file: str = ""
     mqtt_enabled: bool = False
     mqtt_host: str = "127.0.0.1"
     mqtt_port: int = 1883
@@ -287,6 +295,23 @@ SETTINGS: Final = (
         "volume store: file or memory",
     ),
     Setting("storage", "dir", "storage_dir", "DPU_AGENT_STORAGE_DIR", _path, "volume directory"),
+    Setting(
+        "network",
+        "backend",
+        "network_backend",
+        "DPU_AGENT_NETWORK_BACKEND",
+        _choice("none", "memory"),
+        "flow datapath: memory or none",
+    ),
+    Setting("network", "ports", "network_ports", "DPU_AGENT_NETWORK_PORTS", _text, "port patterns"),
+    Setting(
+        "network",
+        "rules_file",
+        "network_rules_file",
+        "DPU_AGENT_NETWORK_RULES_FILE",
+        _path,
+        "where flow rules are saved",
+    ),
     *(
         Setting("mqtt", key, f"mqtt_{key}", f"DPU_AGENT_MQTT_{key.upper()}", parse, text)
         for key, parse, text in (
@@ -304,6 +329,13 @@ SETTINGS: Final = (
         )
     ),
 )
+
+
+def rules_file(config: AgentConfig) -> Path:
+    """Where the flow rules are saved."""
+    if config.network_rules_file:
+        return Path(config.network_rules_file).expanduser()
+    return storage_dir(config).parent / "flow-rules.json"
 
 
 def storage_dir(config: AgentConfig) -> Path:

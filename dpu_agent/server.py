@@ -17,15 +17,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dpu_agent import __version__, platform
-from dpu_agent.config import ConfigError, storage_dir
+from dpu_agent.config import ConfigError, rules_file, storage_dir
 from dpu_agent.dataplane import transports
 from dpu_agent.dataplane.manager import ManagerSettings, SessionManager
 from dpu_agent.errors import AgentError
 from dpu_agent.events import MqttEventPublisher, MqttSettings
 from dpu_agent.events.payloads import session_stats
 from dpu_agent.interceptor import RpcInterceptor
+from dpu_agent.network.memory_backend import MemoryFlowBackend
+from dpu_agent.network.rulestore import RuleStore
+from dpu_agent.network.table import FlowTable
 from dpu_agent.services.agent_info import AgentInfoService
 from dpu_agent.services.jobs import JobService
+from dpu_agent.services.network import NetworkService
 from dpu_agent.services.sessions import SessionService
 from dpu_agent.services.storage import StorageService
 from dpu_agent.services.unimplemented import unimplemented_handler
@@ -36,6 +40,7 @@ from dpu_wire.v1 import (
     job_pb2,
     job_pb2_grpc,
     network_pb2,
+    network_pb2_grpc,
     session_pb2,
     session_pb2_grpc,
     storage_pb2,
@@ -47,6 +52,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
     from dpu_agent.config import AgentConfig
+    from dpu_agent.network.backend import FlowBackend
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +67,11 @@ class PlannedService:
     reason: str
 
 
+NETWORK_SERVICE: Final = network_pb2.DESCRIPTOR.services_by_name["NetworkService"]
+NO_NETWORK: Final = PlannedService(
+    NETWORK_SERVICE, "no network backend is configured ([network] backend)"
+)
 PLANNED_SERVICES: Final = (
-    PlannedService(
-        network_pb2.DESCRIPTOR.services_by_name["NetworkService"],
-        "network offload is not in this version yet",
-    ),
     PlannedService(
         virtualization_pb2.DESCRIPTOR.services_by_name["VirtualizationService"],
         "virtualization offload is not in this version yet",
@@ -80,14 +86,34 @@ SERVED_SERVICES: Final = (
 )
 
 
-def capabilities() -> list[agent_pb2.Capability]:
+def capabilities(
+    served: Sequence[descriptor.ServiceDescriptor], planned: Sequence[PlannedService]
+) -> list[agent_pb2.Capability]:
     """One capability entry per API service: served, or why not."""
-    served = [agent_pb2.Capability(service=s.full_name, available=True) for s in SERVED_SERVICES]
-    planned = [
+    return [agent_pb2.Capability(service=s.full_name, available=True) for s in served] + [
         agent_pb2.Capability(service=p.descriptor.full_name, available=False, reason=p.reason)
-        for p in PLANNED_SERVICES
+        for p in planned
     ]
-    return served + planned
+
+
+def _flow_table(config: AgentConfig) -> FlowTable | None:
+    if config.network_backend == "none":
+        return None
+    patterns = [p.strip() for p in config.network_ports.split(",") if p.strip()]
+    backend: FlowBackend = MemoryFlowBackend()
+    del patterns  # the tc backend will take them
+    table = FlowTable(backend, RuleStore(rules_file(config)))
+    report = table.start()
+    log.info(
+        "flow rules reconciled",
+        extra={
+            "reapplied": len(report.reapplied),
+            "present": len(report.present),
+            "failed": len(report.failed),
+            "foreign": len(report.foreign),
+        },
+    )
+    return table
 
 
 def _event_publisher(
@@ -167,6 +193,7 @@ class AgentServer:
         self.sessions: SessionManager | None = None
         self.store: VolumeStore | None = None
         self.events: MqttEventPublisher | None = None
+        self.flows: FlowTable | None = None
 
     @property
     def address(self) -> str:
@@ -182,6 +209,13 @@ class AgentServer:
         devices = await asyncio.to_thread(platform.rdma_devices)
         cfg = self.config
         self.store = await asyncio.to_thread(_open_store, cfg)
+        self.flows = await asyncio.to_thread(_flow_table, cfg)
+        served = list(SERVED_SERVICES)
+        planned = list(PLANNED_SERVICES)
+        if self.flows is None:
+            planned.insert(0, NO_NETWORK)
+        else:
+            served.append(NETWORK_SERVICE)
         if cfg.mqtt_enabled:
             self.events = _event_publisher(cfg, start_time, self._session_stats)
         self.sessions = SessionManager(
@@ -207,7 +241,7 @@ class AgentServer:
             AgentInfoService(
                 self.config.agent_id,
                 start_time,
-                capabilities(),
+                capabilities(served, planned),
                 devices,
                 self.sessions.available_transports,
             ),
@@ -216,12 +250,14 @@ class AgentServer:
         session_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(self.sessions), server)
         job_pb2_grpc.add_JobServiceServicer_to_server(JobService(self.sessions), server)
         storage_pb2_grpc.add_StorageServiceServicer_to_server(StorageService(self.store), server)
-        handlers = [unimplemented_handler(p.descriptor, p.reason) for p in PLANNED_SERVICES]
+        if self.flows is not None:
+            network_pb2_grpc.add_NetworkServiceServicer_to_server(
+                NetworkService(self.flows), server
+            )
+        handlers = [unimplemented_handler(p.descriptor, p.reason) for p in planned]
         server.add_generic_rpc_handlers([*handlers, *self._extra_handlers])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        names = [s.full_name for s in SERVED_SERVICES] + [
-            p.descriptor.full_name for p in PLANNED_SERVICES
-        ]
+        names = [s.full_name for s in served] + [p.descriptor.full_name for p in planned]
         reflection.enable_server_reflection(
             [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
@@ -239,7 +275,7 @@ class AgentServer:
         if self.events is not None:
             self.events.start()
         self._server = server
-        for name in (*[s.full_name for s in SERVED_SERVICES], health.OVERALL_HEALTH):
+        for name in (*[s.full_name for s in served], health.OVERALL_HEALTH):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "serving",

@@ -19,6 +19,7 @@ from dpu_wire.v1 import (
     agent_pb2_grpc,
     job_pb2,
     job_pb2_grpc,
+    network_pb2,
     network_pb2_grpc,
     session_pb2,
     session_pb2_grpc,
@@ -290,6 +291,51 @@ class Client:
         await self._call(
             self.stubs.storage.DeleteVolume,
             storage_pb2.DeleteVolumeRequest(name=name, request_id=uuid.uuid4().hex),
+        )
+
+    async def list_ports(self) -> list[network_pb2.Port]:
+        """The DPU's managed ports with state and counters."""
+        reply: network_pb2.ListPortsResponse = await self._call(
+            self.stubs.network.ListPorts, network_pb2.ListPortsRequest()
+        )
+        return list(reply.ports)
+
+    async def create_flow_rule(
+        self, rule_id: str, rule: network_pb2.FlowRule
+    ) -> network_pb2.FlowRule:
+        """Program a flow rule ("flowRules/{rule_id}") on its ingress port."""
+        return await self._call(
+            self.stubs.network.CreateFlowRule,
+            network_pb2.CreateFlowRuleRequest(
+                flow_rule_id=rule_id, flow_rule=rule, request_id=uuid.uuid4().hex
+            ),
+        )
+
+    async def get_flow_rule(self, name: str) -> network_pb2.FlowRule:
+        """One rule with its counters."""
+        return await self._call(
+            self.stubs.network.GetFlowRule, network_pb2.GetFlowRuleRequest(name=name)
+        )
+
+    async def list_flow_rules(self, port: str = "") -> list[network_pb2.FlowRule]:
+        """Every rule (on one port, "ports/{name}"), all pages."""
+        rules: list[network_pb2.FlowRule] = []
+        token = ""
+        while True:
+            page: network_pb2.ListFlowRulesResponse = await self._call(
+                self.stubs.network.ListFlowRules,
+                network_pb2.ListFlowRulesRequest(ingress_port=port, page_token=token),
+            )
+            rules.extend(page.flow_rules)
+            token = page.next_page_token
+            if not token:
+                return rules
+
+    async def delete_flow_rule(self, name: str) -> None:
+        """Remove a rule from the datapath."""
+        await self._call(
+            self.stubs.network.DeleteFlowRule,
+            network_pb2.DeleteFlowRuleRequest(name=name, request_id=uuid.uuid4().hex),
         )
 
     async def open_session(

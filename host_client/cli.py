@@ -16,7 +16,7 @@ from google.protobuf import json_format
 
 from dpu_wire.v1 import agent_pb2, job_pb2, session_pb2
 from host_client import __version__ as sdk_version
-from host_client import _cli_events, _cli_volume
+from host_client import _cli_events, _cli_network, _cli_volume
 from host_client._client import TARGET_ENV, Client, default_target
 from host_client._errors import DpuError
 
@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("name", help="sessions/{id}")
     _cli_volume.add_parser(sub)
     _cli_events.add_parser(sub)
+    _cli_network.add_parser(sub)
     job = sub.add_parser("job", help="jobs of a session")
     job_sub = job.add_subparsers(dest="action", required=True, metavar="ACTION")
     job_list = job_sub.add_parser("list", help="open and retained jobs of a session")
@@ -193,6 +194,8 @@ COMMANDS: Final[dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]]
     "job": _job,
     "volume": _cli_volume.run,
     "events": _cli_events.run,
+    "port": _cli_network.run_port,
+    "flow": _cli_network.run_flow,
 }
 
 

@@ -53,7 +53,12 @@ def start_agent(
     cmd = [*program, "serve", "--listen", "127.0.0.1:0"]
     cmd += ["--ready-file", str(ready), "--log-format", "json", *args]
     volumes = tmp_path / f"volumes-{time.monotonic_ns()}"  # one store directory per agent
-    environ = {**os.environ, "DPU_AGENT_STORAGE_DIR": str(volumes), **(env or {})}
+    environ = {
+        **os.environ,
+        "DPU_AGENT_STORAGE_DIR": str(volumes),
+        "DPU_AGENT_NETWORK_RULES_FILE": str(volumes) + "-flow-rules.json",
+        **(env or {}),
+    }
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ)
     deadline = time.monotonic() + START_TIMEOUT

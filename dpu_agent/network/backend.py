@@ -1,0 +1,42 @@
+"""The small interface a datapath implements for the network service.
+
+Synchronous and thread-safe; the service calls it through `asyncio.to_thread`. Every
+method raises domain errors only (`dpu_agent.errors`): NotFound for an unknown port,
+InvalidArgument for something the datapath cannot express, FailedPrecondition when
+the kernel refuses (with the kernel's reason), Unavailable when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dpu_agent.network.model import FlowRule, InstalledRule, PortInfo, RuleCounters
+
+
+class FlowBackend(abc.ABC):
+    """Ports and flow rules of one datapath."""
+
+    @abc.abstractmethod
+    def ports(self) -> list[PortInfo]:
+        """The ports the agent manages, by name."""
+
+    @abc.abstractmethod
+    def install(self, rule: FlowRule) -> None:
+        """Program a rule, all of it or nothing (a failure leaves the datapath unchanged)."""
+
+    @abc.abstractmethod
+    def remove(self, rule: FlowRule) -> None:
+        """Remove a rule (no error if it is already gone)."""
+
+    @abc.abstractmethod
+    def counters(self, rule: FlowRule) -> RuleCounters:
+        """What the datapath counted for a rule; NotFound if it is not installed."""
+
+    @abc.abstractmethod
+    def installed(self) -> list[InstalledRule]:
+        """Every rule in the datapath on managed ports, the agent's and others'."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release the datapath connection."""

@@ -1,0 +1,152 @@
+"""The agent's flow rules: validated, programmed into the datapath, saved, reconciled.
+
+The table is the one writer of the datapath's rules on managed ports. Every change
+goes to the datapath first and is saved only if it took; a failure rolls back, so
+the saved rules, the table and the datapath agree. On start the saved rules are
+re-applied, and filters the agent did not make are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from dpu_agent.errors import AlreadyExists, NotFound
+from dpu_agent.network.validate import check_rule
+
+if TYPE_CHECKING:
+    from dpu_agent.network.backend import FlowBackend
+    from dpu_agent.network.model import FlowRule, InstalledRule, PortInfo, RuleCounters
+    from dpu_agent.network.rulestore import RuleStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconciliation:
+    """What start-up found: rules re-applied, rules that failed, filters not ours."""
+
+    reapplied: tuple[str, ...] = ()
+    present: tuple[str, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+    foreign: tuple[InstalledRule, ...] = ()
+
+
+class FlowTable:
+    """Flow rules by id, backed by a datapath and a rule store. Thread-safe."""
+
+    def __init__(self, backend: FlowBackend, store: RuleStore) -> None:
+        self._backend = backend
+        self._store = store
+        self._rules: dict[str, FlowRule] = {}
+        self._lock = threading.Lock()
+        self.foreign: tuple[InstalledRule, ...] = ()
+
+    def start(self) -> Reconciliation:
+        """Load the saved rules and make the datapath hold them again."""
+        with self._lock:
+            saved = self._store.load()
+            installed = self._backend.installed()
+            ours = {(i.ingress_port, i.priority): i.rule_id for i in installed}
+            reapplied, present, failed = [], [], []
+            for rule in saved:
+                self._rules[rule.rule_id] = rule
+                if ours.get((rule.ingress_port, rule.priority)) == rule.rule_id:
+                    present.append(rule.rule_id)
+                    continue
+                try:
+                    self._backend.install(rule)
+                    reapplied.append(rule.rule_id)
+                except Exception as exc:  # noqa: BLE001 - reported, the agent starts anyway
+                    failed.append((rule.rule_id, str(exc)))
+                    log.warning(
+                        "cannot re-apply rule", extra={"rule": rule.rule_id, "error": str(exc)}
+                    )
+            known = set(self._rules)
+            self.foreign = tuple(i for i in installed if i.rule_id not in known)
+            for item in self.foreign:
+                log.warning(
+                    "a filter the agent did not make is on a managed port",
+                    extra={"port": item.ingress_port, "priority": item.priority},
+                )
+            return Reconciliation(tuple(reapplied), tuple(present), tuple(failed), self.foreign)
+
+    def ports(self) -> list[PortInfo]:
+        """The managed ports."""
+        return self._backend.ports()
+
+    def create(self, rule: FlowRule) -> FlowRule:
+        """Validate, program and save a new rule."""
+        with self._lock:
+            if rule.rule_id in self._rules:
+                raise AlreadyExists(f"flowRules/{rule.rule_id} already exists")
+            self._check(rule, replacing=None)
+            self._backend.install(rule)
+            self._rules[rule.rule_id] = rule
+            try:
+                self._save()
+            except BaseException:
+                del self._rules[rule.rule_id]
+                self._backend.remove(rule)
+                raise
+            return rule
+
+    def update(self, rule: FlowRule) -> FlowRule:
+        """Replace a rule; if the new one does not take, the old one stays."""
+        with self._lock:
+            old = self._get(rule.rule_id)
+            self._check(rule, replacing=old)
+            self._backend.remove(old)
+            try:
+                self._backend.install(rule)
+            except BaseException:
+                self._backend.install(old)
+                raise
+            self._rules[rule.rule_id] = rule
+            self._save()
+            return rule
+
+    def delete(self, rule_id: str) -> None:
+        """Remove a rule from the datapath and the store."""
+        with self._lock:
+            rule = self._get(rule_id)
+            self._backend.remove(rule)
+            del self._rules[rule_id]
+            self._save()
+
+    def get(self, rule_id: str) -> FlowRule:
+        """One rule."""
+        with self._lock:
+            return self._get(rule_id)
+
+    def rules(self, port: str | None = None) -> list[FlowRule]:
+        """Every rule (on one port), by id."""
+        with self._lock:
+            chosen = [r for r in self._rules.values() if port is None or r.ingress_port == port]
+        return sorted(chosen, key=lambda r: r.rule_id)
+
+    def counters(self, rule_id: str) -> RuleCounters:
+        """What the datapath counted for a rule."""
+        return self._backend.counters(self.get(rule_id))
+
+    def _get(self, rule_id: str) -> FlowRule:
+        rule = self._rules.get(rule_id)
+        if rule is None:
+            raise NotFound(f"flowRules/{rule_id} does not exist")
+        return rule
+
+    def _check(self, rule: FlowRule, replacing: FlowRule | None) -> None:
+        check_rule(rule, {p.name for p in self._backend.ports()})
+        for other in self._rules.values():
+            if other is replacing:
+                continue
+            if (other.ingress_port, other.priority) == (rule.ingress_port, rule.priority):
+                raise AlreadyExists(
+                    f"flowRules/{other.rule_id} already has priority {rule.priority} "
+                    f"on port {rule.ingress_port}"
+                )
+
+    def _save(self) -> None:
+        self._store.save(list(self._rules.values()))

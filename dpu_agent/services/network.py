@@ -1,0 +1,322 @@
+"""NetworkService: ports and flow rules (a thin gRPC layer over the flow table)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from typing import TYPE_CHECKING, Any, Final
+
+from dpu_agent.errors import InvalidArgument
+from dpu_agent.network import model
+from dpu_agent.services.convert import timestamp
+from dpu_wire import names
+from dpu_wire.v1 import network_pb2, network_pb2_grpc
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    import grpc
+
+    from dpu_agent.network.table import FlowTable
+
+DEFAULT_TENANT: Final = "default"
+MIN_INTERVAL_MS: Final = 100
+_KINDS: Final = {
+    model.PortKind.UPLINK: network_pb2.PORT_KIND_UPLINK,
+    model.PortKind.REPRESENTOR: network_pb2.PORT_KIND_REPRESENTOR,
+    model.PortKind.HOST: network_pb2.PORT_KIND_HOST,
+}
+_OFFLOAD_IN: Final = {
+    network_pb2.OFFLOAD_POLICY_UNSPECIFIED: model.OffloadPolicy.ANY,
+    network_pb2.OFFLOAD_POLICY_ANY: model.OffloadPolicy.ANY,
+    network_pb2.OFFLOAD_POLICY_HARDWARE_ONLY: model.OffloadPolicy.HARDWARE_ONLY,
+    network_pb2.OFFLOAD_POLICY_SOFTWARE_ONLY: model.OffloadPolicy.SOFTWARE_ONLY,
+}
+_OFFLOAD_OUT: Final = {
+    model.OffloadPolicy.ANY: network_pb2.OFFLOAD_POLICY_ANY,
+    model.OffloadPolicy.HARDWARE_ONLY: network_pb2.OFFLOAD_POLICY_HARDWARE_ONLY,
+    model.OffloadPolicy.SOFTWARE_ONLY: network_pb2.OFFLOAD_POLICY_SOFTWARE_ONLY,
+}
+_UPDATABLE: Final = {"priority", "match", "actions", "offload"}
+
+
+def port_name(name: str, what: str) -> str:
+    """The netdev in "ports/{name}"."""
+    try:
+        (port,) = names.parse_name(name, "ports")
+    except names.InvalidNameError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
+    return port
+
+
+def _network(text: str, what: str) -> model.IPNetwork | None:
+    if not text:
+        return None
+    try:
+        return ipaddress.ip_network(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
+
+
+def _address(text: str, what: str) -> model.IPAddress:
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
+
+
+def match_from(m: network_pb2.FlowMatch) -> model.FlowMatch:
+    """The domain match of a proto match."""
+    return model.FlowMatch(
+        ethertype=m.ethertype if m.HasField("ethertype") else None,
+        src_mac=m.src_mac.lower() or None,
+        dst_mac=m.dst_mac.lower() or None,
+        vlan_id=m.vlan_id if m.HasField("vlan_id") else None,
+        ip_protocol=m.ip_protocol if m.HasField("ip_protocol") else None,
+        src_ip=_network(m.src_ip_prefix, "match.src_ip_prefix"),
+        dst_ip=_network(m.dst_ip_prefix, "match.dst_ip_prefix"),
+        src_port=m.src_l4_port if m.HasField("src_l4_port") else None,
+        dst_port=m.dst_l4_port if m.HasField("dst_l4_port") else None,
+        vxlan_vni=m.vxlan_vni if m.HasField("vxlan_vni") else None,
+    )
+
+
+def action_from(a: network_pb2.FlowAction, where: str) -> model.Action:  # noqa: PLR0911
+    """The domain action of a proto action."""
+    kind = a.WhichOneof("action")
+    if kind == "forward":
+        return model.Forward(port_name(a.forward.port, f"{where}.forward.port"))
+    if kind == "mirror":
+        return model.Mirror(port_name(a.mirror.port, f"{where}.mirror.port"))
+    if kind == "drop":
+        return model.Drop()
+    if kind == "police":
+        return model.Police(a.police.rate_bps, a.police.burst_bytes)
+    if kind == "vlan_push":
+        return model.VlanPush(a.vlan_push.vlan_id, a.vlan_push.priority)
+    if kind == "vlan_pop":
+        return model.VlanPop()
+    if kind == "vxlan_encap":
+        e = a.vxlan_encap
+        return model.VxlanEncap(
+            e.vni,
+            _address(e.src_ip, f"{where}.vxlan_encap.src_ip"),
+            _address(e.dst_ip, f"{where}.vxlan_encap.dst_ip"),
+            e.dst_port or 4789,
+        )
+    if kind == "vxlan_decap":
+        return model.VxlanDecap()
+    if kind == "count":
+        return model.Count()
+    raise InvalidArgument(f"{where}: an action is required")
+
+
+def rule_from(rule_id: str, r: network_pb2.FlowRule) -> model.FlowRule:
+    """The domain rule of a proto rule."""
+    return model.FlowRule(
+        rule_id=rule_id,
+        priority=r.priority,
+        ingress_port=port_name(r.ingress_port, "flow_rule.ingress_port"),
+        match=match_from(r.match),
+        actions=tuple(action_from(a, f"actions[{i}]") for i, a in enumerate(r.actions)),
+        offload=_OFFLOAD_IN[r.offload],
+    )
+
+
+def _match_to(m: model.FlowMatch) -> network_pb2.FlowMatch:
+    out = network_pb2.FlowMatch(
+        src_mac=m.src_mac or "",
+        dst_mac=m.dst_mac or "",
+        src_ip_prefix=str(m.src_ip or ""),
+        dst_ip_prefix=str(m.dst_ip or ""),
+    )
+    for field, value in (
+        ("ethertype", m.ethertype),
+        ("vlan_id", m.vlan_id),
+        ("ip_protocol", m.ip_protocol),
+        ("src_l4_port", m.src_port),
+        ("dst_l4_port", m.dst_port),
+        ("vxlan_vni", m.vxlan_vni),
+    ):
+        if value is not None:
+            setattr(out, field, value)
+    return out
+
+
+def _action_to(a: model.Action) -> network_pb2.FlowAction:  # noqa: PLR0911
+    if isinstance(a, model.Forward):
+        return network_pb2.FlowAction(forward=network_pb2.ForwardAction(port=f"ports/{a.port}"))
+    if isinstance(a, model.Mirror):
+        return network_pb2.FlowAction(mirror=network_pb2.MirrorAction(port=f"ports/{a.port}"))
+    if isinstance(a, model.Drop):
+        return network_pb2.FlowAction(drop=network_pb2.DropAction())
+    if isinstance(a, model.Police):
+        police = network_pb2.PoliceAction(rate_bps=a.rate_bps, burst_bytes=a.burst_bytes)
+        return network_pb2.FlowAction(police=police)
+    if isinstance(a, model.VlanPush):
+        push = network_pb2.VlanPushAction(vlan_id=a.vlan_id, priority=a.priority)
+        return network_pb2.FlowAction(vlan_push=push)
+    if isinstance(a, model.VlanPop):
+        return network_pb2.FlowAction(vlan_pop=network_pb2.VlanPopAction())
+    if isinstance(a, model.VxlanEncap):
+        encap = network_pb2.VxlanEncapAction(
+            vni=a.vni, src_ip=str(a.src_ip), dst_ip=str(a.dst_ip), dst_port=a.dst_port
+        )
+        return network_pb2.FlowAction(vxlan_encap=encap)
+    if isinstance(a, model.VxlanDecap):
+        return network_pb2.FlowAction(vxlan_decap=network_pb2.VxlanDecapAction())
+    return network_pb2.FlowAction(count=network_pb2.CountAction())
+
+
+def counters_to(c: model.RuleCounters) -> network_pb2.FlowCounters:
+    """The proto counters."""
+    return network_pb2.FlowCounters(
+        packets=c.packets, bytes=c.bytes, last_used=timestamp(c.last_used_ns)
+    )
+
+
+def rule_to(r: model.FlowRule, counters: model.RuleCounters | None = None) -> network_pb2.FlowRule:
+    """The proto rule (with counters when given)."""
+    out = network_pb2.FlowRule(
+        name=f"flowRules/{r.rule_id}",
+        priority=r.priority,
+        ingress_port=f"ports/{r.ingress_port}",
+        match=_match_to(r.match),
+        actions=[_action_to(a) for a in r.actions],
+        offload=_OFFLOAD_OUT[r.offload],
+        tenant=DEFAULT_TENANT,
+    )
+    if counters is not None:
+        out.counters.CopyFrom(counters_to(counters))
+        out.in_hardware = counters.in_hardware
+    return out
+
+
+def port_to(p: model.PortInfo) -> network_pb2.Port:
+    """The proto port."""
+    c = p.counters
+    return network_pb2.Port(
+        name=f"ports/{p.name}",
+        kind=_KINDS[p.kind],
+        oper_state=network_pb2.OPER_STATE_UP if p.up else network_pb2.OPER_STATE_DOWN,
+        mac_address=p.mac,
+        mtu=p.mtu,
+        counters=network_pb2.PortCounters(
+            rx_packets=c.rx_packets,
+            tx_packets=c.tx_packets,
+            rx_bytes=c.rx_bytes,
+            tx_bytes=c.tx_bytes,
+            rx_dropped=c.rx_dropped,
+            tx_dropped=c.tx_dropped,
+        ),
+    )
+
+
+class NetworkService(network_pb2_grpc.NetworkServiceServicer):
+    """Ports and flow rules; the table does the work in a thread."""
+
+    def __init__(self, table: FlowTable) -> None:
+        self._table = table
+
+    async def ListPorts(
+        self, request: network_pb2.ListPortsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> network_pb2.ListPortsResponse:
+        """Every managed port (one page: a DPU has few)."""
+        ports = await asyncio.to_thread(self._table.ports)
+        return network_pb2.ListPortsResponse(ports=[port_to(p) for p in ports])
+
+    async def GetPort(
+        self, request: network_pb2.GetPortRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> network_pb2.Port:
+        """One port."""
+        wanted = port_name(request.name, "name")
+        for port in await asyncio.to_thread(self._table.ports):
+            if port.name == wanted:
+                return port_to(port)
+        raise InvalidArgument(f"{request.name} is not a managed port")
+
+    async def CreateFlowRule(
+        self,
+        request: network_pb2.CreateFlowRuleRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> network_pb2.FlowRule:
+        """Validate, program and save a rule."""
+        rule = rule_from(request.flow_rule_id, request.flow_rule)
+        created = await asyncio.to_thread(self._table.create, rule)
+        return rule_to(created)
+
+    async def GetFlowRule(
+        self, request: network_pb2.GetFlowRuleRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> network_pb2.FlowRule:
+        """One rule with its counters."""
+        (rule_id,) = names.parse_name(request.name, "flowRules")
+        rule = await asyncio.to_thread(self._table.get, rule_id)
+        return rule_to(rule, await asyncio.to_thread(self._table.counters, rule_id))
+
+    async def ListFlowRules(
+        self,
+        request: network_pb2.ListFlowRulesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> network_pb2.ListFlowRulesResponse:
+        """Rules (on one port) by id, a page at a time; the token is the last id."""
+        port = port_name(request.ingress_port, "ingress_port") if request.ingress_port else None
+        rules = [r for r in self._table.rules(port) if r.rule_id > request.page_token]
+        size = min(request.page_size or 100, 500)
+        page = rules[:size]
+        token = page[-1].rule_id if len(rules) > size else ""
+        return network_pb2.ListFlowRulesResponse(
+            flow_rules=[rule_to(r) for r in page], next_page_token=token
+        )
+
+    async def UpdateFlowRule(
+        self,
+        request: network_pb2.UpdateFlowRuleRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> network_pb2.FlowRule:
+        """Change priority, match, actions or offload (the mask's paths; none: all four)."""
+        (rule_id,) = names.parse_name(request.flow_rule.name, "flowRules")
+        paths = set(request.update_mask.paths) or _UPDATABLE
+        if paths - _UPDATABLE:
+            bad = ", ".join(sorted(paths - _UPDATABLE))
+            raise InvalidArgument(f"update_mask: cannot update {bad} (only {sorted(_UPDATABLE)})")
+        old = await asyncio.to_thread(self._table.get, rule_id)
+        incoming = request.flow_rule
+        new = model.FlowRule(
+            rule_id=rule_id,
+            priority=incoming.priority if "priority" in paths else old.priority,
+            ingress_port=old.ingress_port,
+            match=match_from(incoming.match) if "match" in paths else old.match,
+            actions=tuple(action_from(a, f"actions[{i}]") for i, a in enumerate(incoming.actions))
+            if "actions" in paths
+            else old.actions,
+            offload=_OFFLOAD_IN[incoming.offload] if "offload" in paths else old.offload,
+        )
+        return rule_to(await asyncio.to_thread(self._table.update, new))
+
+    async def DeleteFlowRule(
+        self,
+        request: network_pb2.DeleteFlowRuleRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> network_pb2.DeleteFlowRuleResponse:
+        """Remove a rule from the datapath."""
+        (rule_id,) = names.parse_name(request.name, "flowRules")
+        await asyncio.to_thread(self._table.delete, rule_id)
+        return network_pb2.DeleteFlowRuleResponse()
+
+    async def WatchFlowCounters(
+        self,
+        request: network_pb2.WatchFlowCountersRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[network_pb2.FlowCounterUpdate]:
+        """The selected rules' counters every interval, until the client goes."""
+        wanted = [names.parse_name(n, "flowRules")[0] for n in request.names]
+        interval = max(request.interval_ms or 1000, MIN_INTERVAL_MS) / 1000
+        await context.send_initial_metadata(())
+        while True:
+            ids = wanted or [r.rule_id for r in self._table.rules()]
+            for rule_id in ids:
+                counters = await asyncio.to_thread(self._table.counters, rule_id)
+                yield network_pb2.FlowCounterUpdate(
+                    name=f"flowRules/{rule_id}", counters=counters_to(counters)
+                )
+            await asyncio.sleep(interval)

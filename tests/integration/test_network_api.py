@@ -1,0 +1,126 @@
+"""NetworkService and `dpuctl port/flow` against an agent on the in-memory datapath.
+
+The kernel datapath (tc flower) and real packets are tested in the VM suite.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import host_client
+from dpu_wire.v1 import network_pb2
+from tests.integration.conftest import start_agent
+
+pytestmark = pytest.mark.asyncio
+BIN = Path(sys.executable).parent
+
+
+def forward_rule(port="pf0vf0", to="pf0vf1", priority=10, **match):
+    return network_pb2.FlowRule(
+        priority=priority,
+        ingress_port=f"ports/{port}",
+        match=network_pb2.FlowMatch(**match),
+        actions=[network_pb2.FlowAction(forward=network_pb2.ForwardAction(port=f"ports/{to}"))],
+    )
+
+
+@pytest.fixture
+def memory_agent(tmp_path):
+    env = {
+        "DPU_AGENT_NETWORK_BACKEND": "memory",
+        "DPU_AGENT_NETWORK_RULES_FILE": str(tmp_path / "r.json"),
+    }
+    agent = start_agent(tmp_path, env=env)
+    yield agent, env
+    if agent.proc.poll() is None:
+        assert agent.terminate() == 0
+
+
+async def test_rules_are_served_listed_and_survive_a_restart(memory_agent, tmp_path):
+    agent, env = memory_agent
+    async with host_client.Client(agent.address) as client:
+        ports = await client.list_ports()
+        assert [p.name for p in ports] == [
+            "ports/p0",
+            "ports/pf0vf0",
+            "ports/pf0vf1",
+            "ports/pf0vf2",
+        ]
+        assert ports[0].kind == network_pb2.PORT_KIND_UPLINK
+        made = await client.create_flow_rule(
+            "fwd-1", forward_rule(ip_protocol=17, ethertype=0x0800, dst_l4_port=53)
+        )
+        assert made.name == "flowRules/fwd-1"
+        assert made.match.dst_l4_port == 53
+        await client.create_flow_rule("fwd-2", forward_rule(port="pf0vf1", to="pf0vf0"))
+        got = await client.get_flow_rule("flowRules/fwd-1")
+        assert got.counters.packets == 0
+        info = await client.agent_info()
+        assert {c.service: c.available for c in info.capabilities}["dpu.v1.NetworkService"]
+    agent.proc.kill()
+    agent.proc.wait(10)
+    again = start_agent(tmp_path, env=env)
+    try:
+        async with host_client.Client(again.address) as client:
+            names = [r.name for r in await client.list_flow_rules()]
+            assert names == ["flowRules/fwd-1", "flowRules/fwd-2"]
+            await client.delete_flow_rule("flowRules/fwd-2")
+            assert [r.name for r in await client.list_flow_rules()] == ["flowRules/fwd-1"]
+    finally:
+        assert again.terminate() == 0
+
+
+@pytest.mark.parametrize(
+    ("rule", "fragment"),
+    [
+        (forward_rule(dst_l4_port=80), "L4 port needs ip_protocol"),
+        (forward_rule(to="pf0vf0"), "its own ingress port"),
+        (forward_rule(to="nope"), "'nope' is not a managed port"),
+        (forward_rule(port="nope"), "ingress port 'nope'"),
+        (forward_rule(priority=0), "priority must be"),
+        (forward_rule(dst_ip_prefix="10.0.0.1/8"), "host bits set"),
+    ],
+)
+async def test_bad_rules_are_invalid_argument_and_change_nothing(memory_agent, rule, fragment):
+    agent, _ = memory_agent
+    async with host_client.Client(agent.address) as client:
+        with pytest.raises(host_client.InvalidArgumentError, match=fragment):
+            await client.create_flow_rule("bad", rule)
+        assert await client.list_flow_rules() == []
+
+
+async def test_dpuctl_port_and_flow_commands(memory_agent):
+    agent, _ = memory_agent
+
+    def dpuctl(*args):
+        return subprocess.run(
+            [str(BIN / "dpuctl"), "--target", agent.address, *args],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    ports = dpuctl("port", "list")
+    assert "ports/pf0vf0" in ports.stdout
+    assert "representor" in ports.stdout
+    matches = ["--match", "ethertype=0x0800", "--match", "ip_proto=tcp", "--match", "dst_port=80"]
+    actions = ["--action", "count", "--action", "forward=pf0vf1"]
+    added = dpuctl("flow", "add", "web", "--port", "pf0vf0", "--priority", "5", *matches, *actions)
+    assert added.returncode == 0, added.stderr
+    assert "flowRules/web" in dpuctl("flow", "list").stdout
+    stats = dpuctl("flow", "stats", "web")
+    assert "0 packets" in stats.stdout
+    bad = dpuctl("flow", "add", "x", "--port", "pf0vf0", "--priority", "6", "--action", "teleport")
+    assert bad.returncode == 2
+    assert "expected forward=PORT" in bad.stderr
+    gone = dpuctl("flow", "del", "web")
+    assert gone.returncode == 0, gone.stderr
+    assert "no flow rules" in dpuctl("flow", "list").stdout
+
+
+async def test_without_a_backend_the_service_says_why(agent):
+    async with host_client.Client(agent.address) as client:
+        with pytest.raises(
+            host_client.UnimplementedError, match=r"no network backend is configured"
+        ):
+            await client.list_ports()

@@ -1,0 +1,128 @@
+"""Flow-rule validation, persistence and the flow table over the in-memory datapath."""
+
+import ipaddress
+
+import pytest
+
+from dpu_agent.errors import AlreadyExists, InvalidArgument, NotFound
+from dpu_agent.network import model
+from dpu_agent.network.memory_backend import MemoryFlowBackend
+from dpu_agent.network.rulestore import RuleStore, from_json, to_json
+from dpu_agent.network.table import FlowTable
+from dpu_agent.network.validate import check_rule
+
+PORTS = {"p0", "pf0vf0", "pf0vf1"}
+net = ipaddress.ip_network
+M = model.FlowMatch
+
+
+ANY = M()
+TO_VF1 = (model.Forward("pf0vf1"),)
+
+
+def rule(match=ANY, actions=TO_VF1, priority=10, port="pf0vf0", rid="r1"):
+    return model.FlowRule(rid, priority, port, match, tuple(actions))
+
+
+@pytest.mark.parametrize(
+    ("candidate", "reason"),
+    [
+        (rule(priority=0), "priority must be 1..65535"),
+        (rule(port="eth9"), "ingress port 'eth9' is not a managed port"),
+        (rule(match=M(dst_port=80)), "L4 port needs ip_protocol"),
+        (rule(match=M(dst_port=80, ip_protocol=1, ethertype=0x0800)), "L4 port needs ip_protocol"),
+        (rule(match=M(ip_protocol=17)), "ip_protocol needs an IP ethertype"),
+        (rule(match=M(ethertype=0x0806, dst_ip=net("10.0.0.0/8"))), "needs an IPv4 or IPv6"),
+        (rule(match=M(ethertype=0x86DD, dst_ip=net("10.0.0.0/8"))), "do not fit the ethertype"),
+        (rule(match=M(src_ip=net("10.0.0.0/8"), dst_ip=net("::/0"))), "different IP versions"),
+        (rule(match=M(vlan_id=5000)), "vlan_id must be 0..4095"),
+        (rule(match=M(src_mac="zz:00:00:00:00:00")), "is not a MAC address"),
+        (rule(actions=()), "at least one action"),
+        (rule(actions=(model.Forward("pf0vf0"),)), "its own ingress port"),
+        (rule(actions=(model.Forward("nope"),)), "'nope' is not a managed port"),
+        (rule(actions=(model.Forward("p0"), model.Forward("pf0vf1"))), "at most one port"),
+        (rule(actions=(model.Forward("p0"), model.Drop())), "both forward and drop"),
+        (rule(actions=(model.Drop(), model.Count())), "drop must be the last action"),
+        (rule(actions=(model.Police(0, 1000),)), "rate and a burst above 0"),
+        (rule(actions=(model.VlanPush(0),)), "vlan_push.vlan_id must be 1..4094"),
+        (
+            rule(
+                actions=(
+                    model.VxlanEncap(
+                        5, ipaddress.ip_address("10.0.0.1"), ipaddress.ip_address("10.0.0.2")
+                    ),
+                )
+            ),
+            "must be followed by a forward",
+        ),
+    ],
+)
+def test_contradictions_are_refused_with_a_reason(candidate, reason):
+    with pytest.raises(InvalidArgument, match=reason):
+        check_rule(candidate, PORTS)
+
+
+def test_a_full_rule_is_valid_and_round_trips_through_json():
+    full = rule(
+        match=M(
+            ethertype=0x0800,
+            src_mac="02:00:00:00:00:01",
+            vlan_id=10,
+            ip_protocol=17,
+            src_ip=net("10.0.0.0/24"),
+            dst_ip=net("10.0.1.0/24"),
+            src_port=1000,
+            dst_port=2000,
+            vxlan_vni=42,
+        ),
+        actions=(
+            model.Police(8_000_000, 10_000),
+            model.VlanPush(100, 3),
+            model.Mirror("p0"),
+            model.Count(),
+            model.Forward("pf0vf1"),
+        ),
+    )
+    check_rule(full, PORTS)
+    assert from_json(to_json(full)) == full
+
+
+def test_table_saves_rules_and_a_new_table_reapplies_them(tmp_path):
+    store = RuleStore(tmp_path / "rules.json")
+    backend = MemoryFlowBackend(sorted(PORTS))
+    table = FlowTable(backend, store)
+    table.start()
+    table.create(rule())
+    table.create(rule(rid="r2", priority=20, actions=(model.Drop(),)))
+    with pytest.raises(AlreadyExists, match="already has priority 10"):
+        table.create(rule(rid="r3"))
+    with pytest.raises(AlreadyExists):
+        table.create(rule())
+    fresh_backend = MemoryFlowBackend(sorted(PORTS))  # an empty datapath, as after a reboot
+    again = FlowTable(fresh_backend, RuleStore(tmp_path / "rules.json"))
+    report = again.start()
+    assert sorted(report.reapplied) == ["r1", "r2"]
+    assert [i.rule_id for i in fresh_backend.installed()] == ["r1", "r2"]
+
+
+def test_update_keeps_the_old_rule_when_the_new_one_fails(tmp_path):
+    table = FlowTable(MemoryFlowBackend(sorted(PORTS)), RuleStore(tmp_path / "rules.json"))
+    table.start()
+    table.create(rule())
+    with pytest.raises(InvalidArgument):
+        table.update(rule(actions=(model.Forward("pf0vf0"),)))
+    assert table.get("r1").actions == (model.Forward("pf0vf1"),)
+    table.update(rule(priority=5))
+    assert table.get("r1").priority == 5
+    table.delete("r1")
+    with pytest.raises(NotFound):
+        table.get("r1")
+    assert RuleStore(tmp_path / "rules.json").load() == []
+
+
+def test_foreign_filters_are_reported(tmp_path):
+    backend = MemoryFlowBackend(sorted(PORTS))
+    backend.install(rule(rid="made-by-hand", priority=99))
+    table = FlowTable(backend, RuleStore(tmp_path / "rules.json"))
+    report = table.start()
+    assert [(f.ingress_port, f.priority) for f in report.foreign] == [("pf0vf0", 99)]
