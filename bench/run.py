@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from bench import compute_jobs, grpc_unary, storage_io, tcp_dataplane, verbs_jobs, verbs_write
+from bench import (
+    compute_jobs,
+    grpc_unary,
+    storage_io,
+    tc_rules,
+    tcp_dataplane,
+    verbs_jobs,
+    verbs_write,
+)
 
-BENCHES = (grpc_unary, tcp_dataplane, storage_io, compute_jobs, verbs_write, verbs_jobs)
+BENCHES = (grpc_unary, tcp_dataplane, storage_io, compute_jobs, verbs_write, verbs_jobs, tc_rules)
 
 
 def main() -> int:

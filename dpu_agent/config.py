@@ -27,9 +27,10 @@ Example file (every key optional):
                                   # ~/.local/state/dpu-agent/volumes
 
     [network]
-    backend = "none"              # memory (rules kept, no datapath) or none; tc is coming
+    backend = "none"              # tc (Linux tc flower), memory (rules kept, no datapath), none
     ports = "p0,p1,pf*,rep*"      # netdev name patterns of the managed ports
     rules_file = ""               # "" = next to the volume store: <state>/flow-rules.json
+    netns = ""                    # the ports' network namespace ("" = the agent's own)
 
     [mqtt]
     enabled = false               # publish completions, status and telemetry
@@ -95,6 +96,7 @@ class AgentConfig:
     network_backend: str = "none"
     network_ports: str = "p0,p1,pf*,rep*"
     network_rules_file: str = ""
+    network_netns: str = ""
     mqtt_enabled: bool = False
     mqtt_host: str = "127.0.0.1"
     mqtt_port: int = 1883
@@ -300,8 +302,8 @@ SETTINGS: Final = (
         "backend",
         "network_backend",
         "DPU_AGENT_NETWORK_BACKEND",
-        _choice("none", "memory"),
-        "flow datapath: memory or none",
+        _choice("none", "memory", "tc"),
+        "flow datapath: tc, memory or none",
     ),
     Setting("network", "ports", "network_ports", "DPU_AGENT_NETWORK_PORTS", _text, "port patterns"),
     Setting(
@@ -312,6 +314,7 @@ SETTINGS: Final = (
         _path,
         "where flow rules are saved",
     ),
+    Setting("network", "netns", "network_netns", "DPU_AGENT_NETWORK_NETNS", _text, "ports' netns"),
     *(
         Setting("mqtt", key, f"mqtt_{key}", f"DPU_AGENT_MQTT_{key.upper()}", parse, text)
         for key, parse, text in (

@@ -27,6 +27,7 @@ from dpu_agent.interceptor import RpcInterceptor
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
+from dpu_agent.network.tc_backend import TcFlowBackend
 from dpu_agent.services.agent_info import AgentInfoService
 from dpu_agent.services.jobs import JobService
 from dpu_agent.services.network import NetworkService
@@ -69,7 +70,7 @@ class PlannedService:
 
 NETWORK_SERVICE: Final = network_pb2.DESCRIPTOR.services_by_name["NetworkService"]
 NO_NETWORK: Final = PlannedService(
-    NETWORK_SERVICE, "no network backend is configured ([network] backend)"
+    NETWORK_SERVICE, "no network backend is configured ([network] backend = tc)"
 )
 PLANNED_SERVICES: Final = (
     PlannedService(
@@ -100,8 +101,12 @@ def _flow_table(config: AgentConfig) -> FlowTable | None:
     if config.network_backend == "none":
         return None
     patterns = [p.strip() for p in config.network_ports.split(",") if p.strip()]
-    backend: FlowBackend = MemoryFlowBackend()
-    del patterns  # the tc backend will take them
+    memory = config.network_backend == "memory"
+    backend: FlowBackend = (
+        MemoryFlowBackend()
+        if memory
+        else TcFlowBackend(patterns, netns=config.network_netns or None)
+    )
     table = FlowTable(backend, RuleStore(rules_file(config)))
     report = table.start()
     log.info(

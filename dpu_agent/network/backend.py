@@ -12,6 +12,8 @@ import abc
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from dpu_agent.network.model import FlowRule, InstalledRule, PortInfo, RuleCounters
 
 
@@ -37,6 +39,9 @@ class FlowBackend(abc.ABC):
     @abc.abstractmethod
     def installed(self) -> list[InstalledRule]:
         """Every rule in the datapath on managed ports, the agent's and others'."""
+
+    def remember(self, rule_ids: Iterable[str]) -> None:  # noqa: B027 - optional
+        """Rules an earlier process of the agent installed, so `installed()` can name them."""
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release the datapath connection."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import fnmatch
 import ipaddress
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -165,10 +166,18 @@ class InstalledRule:
     rule_id: str | None
 
 
+UPLINK_PATTERNS = ("p[0-9]*",)
+REPRESENTOR_PATTERNS = ("pf*vf*", "pf*sf*", "pf*hpf", "rep*")
+
+
 def port_kind(name: str) -> PortKind:
-    """A port's kind from its netdev name: p0/p1 uplinks, pfNvfM/pfNsfM/rep* representors."""
-    if name.startswith("p") and name[1:].isdigit():
+    """What a netdev is, from its name (BlueField naming).
+
+    `p0`, `p1` (`p[0-9]*`) are UPLINKs; `pf0vf3`, `pf1sf2`, `pf0hpf` and `rep*` are
+    REPRESENTORs; anything else is HOST.
+    """
+    if any(fnmatch.fnmatchcase(name, p) for p in UPLINK_PATTERNS):
         return PortKind.UPLINK
-    if name.startswith(("rep", "pf")) and ("vf" in name or "sf" in name or name.startswith("rep")):
+    if any(fnmatch.fnmatchcase(name, p) for p in REPRESENTOR_PATTERNS):
         return PortKind.REPRESENTOR
     return PortKind.HOST
