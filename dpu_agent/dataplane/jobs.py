@@ -232,14 +232,8 @@ class JobRunner:
         return self._store
 
     async def _volume_write(self, job: JobRecord, buffer: Region) -> None:
-        src, out = job.source, job.progress
-        for offset, size in self._chunks(src.length):
-            self._checkpoint(job)
-            await self._transport.read(buffer, 0, size, src.addr + offset, src.rkey)
-            out.bytes_read += size
-            await asyncio.to_thread(
-                self.store.write, job.volume_id, job.offset + offset, buffer.view[:size]
-            )
+        async for offset, view in self._read_all(job, buffer):
+            await asyncio.to_thread(self.store.write, job.volume_id, job.offset + offset, view)
         if job.fua:
             await asyncio.to_thread(self.store.flush, job.volume_id)
 
@@ -256,14 +250,14 @@ class JobRunner:
 
     async def _sha256(self, job: JobRecord, buffer: Region) -> None:
         digest = hashlib.sha256()
-        async for view in self._read_all(job, buffer):
+        async for _, view in self._read_all(job, buffer):
             digest.update(view)
         job.digest = digest.digest()
         await self._write_all(job, buffer, job.digest)
 
     async def _transform(self, job: JobRecord, buffer: Region) -> None:
         data = bytearray()
-        async for view in self._read_all(job, buffer):
+        async for _, view in self._read_all(job, buffer):
             data += view
         limit = job.destination.length
         if job.kind == JobKind.COMPRESS:
@@ -276,14 +270,19 @@ class JobRunner:
             out = await asyncio.to_thread(compute.decrypt, job.key, data)
         await self._write_all(job, buffer, out)
 
-    async def _read_all(self, job: JobRecord, buffer: Region) -> AsyncIterator[memoryview]:
-        """The source, chunk by chunk, through the staging buffer."""
+    async def _read_all(
+        self, job: JobRecord, buffer: Region
+    ) -> AsyncIterator[tuple[int, memoryview]]:
+        """The source, chunk by chunk through the staging buffer, as (offset, bytes).
+
+        Each chunk is valid until the next one is read into the same buffer.
+        """
         src = job.source
         for offset, size in self._chunks(src.length):
             self._checkpoint(job)
             await self._transport.read(buffer, 0, size, src.addr + offset, src.rkey)
             job.progress.bytes_read += size
-            yield buffer.view[:size]
+            yield offset, buffer.view[:size]
 
     async def _write_all(self, job: JobRecord, buffer: Region, data: bytes) -> None:
         """WRITE `data` to the start of the destination; the result is its size."""
@@ -319,22 +318,13 @@ class JobRunner:
         return [(off, min(step, length - off)) for off in range(0, length, step)]
 
     async def _copy(self, job: JobRecord, buffer: Region) -> None:
-        src, dst = job.source, job.destination
-        out = job.progress
-        for offset, size in self._chunks(src.length):
-            self._checkpoint(job)
-            await self._transport.read(buffer, 0, size, src.addr + offset, src.rkey)
-            out.bytes_read += size
-            await self._transport.write(buffer, 0, size, dst.addr + offset, dst.rkey)
-            out.bytes_written += size
+        dst = job.destination
+        async for offset, view in self._read_all(job, buffer):
+            await self._transport.write(buffer, 0, len(view), dst.addr + offset, dst.rkey)
+            job.progress.bytes_written += len(view)
 
     async def _crc32c(self, job: JobRecord, buffer: Region) -> None:
-        src = job.source
-        out = job.progress
         crc = 0
-        for offset, size in self._chunks(src.length):
-            self._checkpoint(job)
-            await self._transport.read(buffer, 0, size, src.addr + offset, src.rkey)
-            out.bytes_read += size
-            crc = crc32c.crc32c(buffer.view[:size], value=crc)
-        out.result = crc
+        async for _, view in self._read_all(job, buffer):
+            crc = crc32c.crc32c(view, value=crc)
+        job.progress.result = crc

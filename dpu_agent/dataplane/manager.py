@@ -9,7 +9,6 @@ its queue pair is destroyed and its regions forgotten.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import logging
@@ -17,6 +16,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Final
 
+from dpu_agent import paging
 from dpu_agent.dataplane.session import Session, SessionSettings, SessionState
 from dpu_agent.errors import (
     FailedPrecondition,
@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 
 TRANSPORT_VERBS: Final = int(agent_pb2.TRANSPORT_VERBS)
 TRANSPORT_TCP: Final = int(agent_pb2.TRANSPORT_TCP)
-MAX_PAGE_SIZE: Final = 500
-DEFAULT_PAGE_SIZE: Final = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,14 +193,7 @@ class SessionManager:
 
     def page(self, page_size: int, page_token: str) -> tuple[list[Session], str]:
         """One page of sessions in name order, and the next page's token."""
-        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        after = decode_page_token(page_token)
-        ordered = sorted(
-            (s for s in self._sessions.values() if s.name > after), key=lambda s: s.name
-        )
-        page = ordered[:size]
-        next_token = encode_page_token(page[-1].name) if len(ordered) > size else ""
-        return page, next_token
+        return paging.page(self._sessions.values(), lambda s: s.name, page_size, page_token)
 
     async def close(self, name: str) -> None:
         """Close and forget a session."""
@@ -228,18 +219,3 @@ class SessionManager:
     def sessions(self) -> list[Session]:
         """Every session."""
         return list(self._sessions.values())
-
-
-def encode_page_token(last_name: str) -> str:
-    """Opaque token for the page after `last_name`."""
-    return base64.urlsafe_b64encode(last_name.encode()).decode()
-
-
-def decode_page_token(token: str) -> str:
-    """The last name of the previous page, or "" for the first page."""
-    if not token:
-        return ""
-    try:
-        return base64.urlsafe_b64decode(token.encode()).decode()
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidArgument("page_token is not one this agent issued") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dpu_agent import paging
 from dpu_agent.dataplane.jobs import Origin
 from dpu_agent.dataplane.session import VolumeTarget
 from dpu_agent.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -22,8 +23,6 @@ if TYPE_CHECKING:
     from dpu_wire.v1 import common_pb2
 
 _ORIGINS = {job_pb2.JOB_ORIGIN_CAPSULE: Origin.CAPSULE, job_pb2.JOB_ORIGIN_RPC: Origin.GRPC}
-MAX_PAGE_SIZE = 500
-DEFAULT_PAGE_SIZE = 100
 
 
 def _span(session: Session, ref: common_pb2.RegionRef, what: str) -> Span:
@@ -156,17 +155,10 @@ class JobService(job_pb2_grpc.JobServiceServicer):
     ) -> job_pb2.ListJobsResponse:
         """A page of a session's open and retained jobs, by id."""
         session = self._manager.get(request.session)
-        after = int(request.page_token) if request.page_token.isdigit() else -1
-        if request.page_token and after < 0:
-            raise InvalidArgument("page_token is not one this agent issued")
-        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        jobs = [
-            j
-            for j in session.jobs()
-            if j.job_id > after and (not request.state or int(j.state) == request.state)
-        ]
-        page = jobs[:size]
-        token = str(page[-1].job_id) if len(jobs) > size else ""
+        jobs = [j for j in session.jobs() if not request.state or int(j.state) == request.state]
+        page, token = paging.page(
+            jobs, lambda j: f"{j.job_id:020d}", request.page_size, request.page_token
+        )
         return job_pb2.ListJobsResponse(
             jobs=[convert.job(session, j) for j in page], next_page_token=token
         )

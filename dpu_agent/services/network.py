@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 from typing import TYPE_CHECKING, Any, Final
 
+from dpu_agent import paging
 from dpu_agent.errors import InvalidArgument
 from dpu_agent.network import model
 from dpu_agent.services.convert import timestamp
@@ -258,12 +259,11 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         request: network_pb2.ListFlowRulesRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> network_pb2.ListFlowRulesResponse:
-        """Rules (on one port) by id, a page at a time; the token is the last id."""
+        """Rules (on one port) by id, a page at a time."""
         port = port_name(request.ingress_port, "ingress_port") if request.ingress_port else None
-        rules = [r for r in self._table.rules(port) if r.rule_id > request.page_token]
-        size = min(request.page_size or 100, 500)
-        page = rules[:size]
-        token = page[-1].rule_id if len(rules) > size else ""
+        page, token = paging.page(
+            self._table.rules(port), lambda r: r.rule_id, request.page_size, request.page_token
+        )
         return network_pb2.ListFlowRulesResponse(
             flow_rules=[rule_to(r) for r in page], next_page_token=token
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Final
 
+from dpu_agent import paging
 from dpu_agent.errors import InvalidArgument
 from dpu_agent.services.convert import timestamp
 from dpu_agent.storage import Compression, DataServices, Encryption
@@ -17,8 +18,6 @@ if TYPE_CHECKING:
     from dpu_agent.storage import VolumeInfo, VolumeStats, VolumeStore
 
 DEFAULT_TENANT: Final = "default"
-MAX_PAGE_SIZE: Final = 500
-DEFAULT_PAGE_SIZE: Final = 100
 
 _COMPRESSION: Final = {
     storage_pb2.COMPRESSION_UNSPECIFIED: Compression.NONE,
@@ -126,18 +125,11 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     async def ListVolumes(
         self, request: storage_pb2.ListVolumesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> storage_pb2.ListVolumesResponse:
-        """A page of volumes in id order; the token is the last id returned."""
+        """A page of volumes in id order."""
         volumes = await asyncio.to_thread(self._store.list)
-        after = request.page_token
-        if after:
-            try:
-                names.check_id(after)
-            except names.InvalidNameError:
-                raise InvalidArgument("page_token is not one this agent issued") from None
-        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        later = [v for v in volumes if v.volume_id > after]
-        page = later[:size]
-        token = page[-1].volume_id if len(later) > size else ""
+        page, token = paging.page(
+            volumes, lambda v: v.volume_id, request.page_size, request.page_token
+        )
         return storage_pb2.ListVolumesResponse(
             volumes=[to_proto(v) for v in page], next_page_token=token
         )
