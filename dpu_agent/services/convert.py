@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from google.protobuf import timestamp_pb2
 
 from dpu_agent.errors import InvalidArgument
-from dpu_wire import endpoints
+from dpu_wire import endpoints, names
 from dpu_wire.capsule import State
 from dpu_wire.transport.base import Access, PeerAddress, TcpAddress, VerbsAddress
 from dpu_wire.v1 import common_pb2, job_pb2, session_pb2
@@ -27,6 +27,17 @@ def timestamp(ns: int) -> timestamp_pb2.Timestamp:
     if ns:
         ts.FromNanoseconds(ns)
     return ts
+
+
+def region_id(s: Session, name: str, what: str) -> str:
+    """The id in "sessions/{session}/regions/{id}", which must be a region of `s`."""
+    try:
+        owner, ident = names.parse_name(name, "sessions", "regions")
+    except names.InvalidNameError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
+    if owner != s.session_id:
+        raise InvalidArgument(f"{what}: {name} is not in {s.name}")
+    return ident
 
 
 def peer_address(endpoint: session_pb2.Endpoint) -> PeerAddress | None:

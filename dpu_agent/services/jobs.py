@@ -26,13 +26,8 @@ _ORIGINS = {job_pb2.JOB_ORIGIN_CAPSULE: Origin.CAPSULE, job_pb2.JOB_ORIGIN_RPC: 
 
 
 def _span(session: Session, ref: common_pb2.RegionRef, what: str) -> Span:
-    try:
-        owner, region_id = names.parse_name(ref.region, "sessions", "regions")
-    except names.InvalidNameError as exc:
-        raise InvalidArgument(f"{what}.region: {exc}") from None
-    if owner != session.session_id:
-        raise InvalidArgument(f"{what}.region: {ref.region} is not in {session.name}")
-    return session.regions.span_of(region_id, ref.offset, ref.length, what)
+    region = convert.region_id(session, ref.region, f"{what}.region")
+    return session.regions.span_of(region, ref.offset, ref.length, what)
 
 
 def _volume(name: str, what: str) -> str:

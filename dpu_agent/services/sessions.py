@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent.dataplane.regions import AdvertisedRegion
-from dpu_agent.errors import InvalidArgument
 from dpu_agent.services import convert
 from dpu_wire import names
 from dpu_wire.v1 import session_pb2, session_pb2_grpc
@@ -67,19 +66,11 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
     ) -> session_pb2.AdvertiseRegionsResponse:
         """Add host regions to the session, all or none."""
         session = self._manager.get(request.session)
-        session_id = session.session_id
         new: list[AdvertisedRegion] = []
         for index, message in enumerate(request.regions):
-            where = f"regions[{index}]"
-            try:
-                owner, region_id = names.parse_name(message.name, "sessions", "regions")
-            except names.InvalidNameError as exc:
-                raise InvalidArgument(f"{where}.name: {exc}") from None
-            if owner != session_id:
-                raise InvalidArgument(f"{where}.name: {message.name} is not in {session.name}")
             new.append(
                 AdvertisedRegion(
-                    region_id=region_id,
+                    region_id=convert.region_id(session, message.name, f"regions[{index}].name"),
                     addr=message.addr,
                     length=message.length,
                     rkey=message.rkey,
