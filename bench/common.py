@@ -102,18 +102,32 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 VM_RESULTS = CHECKOUT / ".testvm" / "out" / "bench"
 
 
-def run_rdma_bench(name: str, measure: Callable[[], list[Result]]) -> list[Result]:
-    """Measure here when this machine has an RDMA port, else inside the soft-RoCE VM.
-
-    In the VM the checkout is read-only, so the guest writes its JSON under
-    .testvm/out/bench/ and the host copies it to bench/results/.
-    """
+def rdma_unavailable() -> str | None:
+    """Why this machine cannot run an RDMA benchmark, or None if it can."""
     from dpu_wire.transport.base import TransportError  # noqa: PLC0415
     from dpu_wire.transport.verbs import find_port  # noqa: PLC0415
 
     try:
         find_port(os.environ.get("DPU_TEST_RDMA_DEVICE"))
-    except TransportError:
+    except TransportError as exc:
+        return str(exc)
+    return None
+
+
+def run_rdma_bench(name: str, measure: Callable[[], list[Result]]) -> list[Result]:
+    """Measure here when this machine has an RDMA port, else inside the soft-RoCE VM."""
+    return run_vm_bench(name, measure, rdma_unavailable)
+
+
+def run_vm_bench(
+    name: str, measure: Callable[[], list[Result]], unavailable: Callable[[], str | None]
+) -> list[Result]:
+    """Measure here when `unavailable()` says nothing, else inside the test VM.
+
+    In the VM the checkout is read-only, so the guest writes its JSON under
+    .testvm/out/bench/ and the host copies it to bench/results/.
+    """
+    if unavailable() is not None:
         return _via_vm(name)
     global RESULTS  # noqa: PLW0603 - the one switch of the output folder
     if not os.access(RESULTS.parent, os.W_OK):

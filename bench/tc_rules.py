@@ -18,14 +18,8 @@ netns dpu, no bridge):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import ipaddress
-import json
-import os
-import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -202,34 +196,9 @@ def measure() -> list[Result]:
     ]
 
 
-def via_vm() -> list[Result]:
-    """Run this module in the test VM; copy its JSON to bench/results/."""
-    produced = common.VM_RESULTS / f"{NAME}.json"
-    produced.unlink(missing_ok=True)
-    testvm = [sys.executable, str(common.CHECKOUT / "deploy" / "testvm" / "testvm.py"), "run", "--"]
-    subprocess.run(
-        [*testvm, sys.executable, "-m", f"bench.{NAME}"], cwd=common.CHECKOUT, check=True
-    )
-    common.RESULTS.mkdir(exist_ok=True)
-    target = common.RESULTS / f"{NAME}.json"
-    shutil.copyfile(produced, target)
-    print(f"results: {target}")
-    fields = {field.name for field in dataclasses.fields(Result)}
-    return [
-        Result(**{k: v for k, v in row.items() if k in fields})
-        for row in json.loads(target.read_text())["results"]
-    ]
-
-
 def main() -> list[Result]:
     """Measure here when tc flower works, else in the test VM."""
-    if flower_unusable() is not None:
-        return via_vm()
-    if not os.access(common.RESULTS.parent, os.W_OK):  # the read-only checkout in the VM
-        common.RESULTS = common.VM_RESULTS
-    results = measure()
-    common.write_results(NAME, results)
-    return results
+    return common.run_vm_bench(NAME, measure, flower_unusable)
 
 
 if __name__ == "__main__":
