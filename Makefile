@@ -1,8 +1,8 @@
 # The project's contract (see README):
 #   make demo   set up from a fresh machine, start the agent, call it via SDK, CLI and grpcurl
 #   make test   set up, lint, host suites, then the soft-RoCE VM suite (fails if it skipped)
-#   make bench  benchmarks; JSON results in bench/results/
-#   make lint   ruff, ruff format --check, mypy --strict, stale generated-code check
+#   make bench  benchmarks, then the report: bench/REPORT.md, bench/results/report.json
+#   make lint   ruff, ruff format --check, mypy --strict, stale generated-code check, deploy files
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 .DEFAULT_GOAL := help
@@ -14,7 +14,7 @@ TESTVM := /usr/bin/python3 deploy/testvm/testvm.py
 LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench
 VM_JUNIT := .testvm/out/junit-vm.xml
 
-.PHONY: help venv proto check-proto lint test test-host test-vm vm-fetch demo bench clean
+.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm vm-fetch demo bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
@@ -28,13 +28,22 @@ proto: venv  ## regenerate dpu_wire/v1 from proto/
 check-proto: venv  ## fail if dpu_wire/v1 is stale
 	$(PY) scripts/gen_proto.py --check
 
-lint: venv check-proto  ## ruff + mypy --strict on our code (not generated stubs)
+docs: venv  ## regenerate docs/api.md from the protos and their comments
+	$(PY) scripts/gen_api_docs.py
+
+check-docs: venv  ## fail if docs/api.md is stale
+	$(PY) scripts/gen_api_docs.py --check
+
+lint: venv check-proto check-docs lint-deploy  ## ruff + mypy --strict on our code (not generated stubs), lint-deploy
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy $(LINT_PATHS)
 
-test-host: venv  ## unit and integration suites on this machine (RDMA tests skip here, with the reason)
-	$(PY) -m pytest tests/unit tests/integration tests/vm
+lint-deploy: venv  ## deployment files: shellcheck, systemd-analyze, hadolint, kubernetes-validate, ...
+	$(PY) deploy/lint_deploy.py
+
+test-host: venv  ## unit, integration, fault and load suites on this machine (RDMA tests skip here, with the reason)
+	$(PY) -m pytest tests/unit tests/integration tests/faults tests/vm
 
 vm-fetch: venv  ## download and cache the test VM's kernel and initramfs
 	$(TESTVM) fetch
@@ -50,7 +59,7 @@ test: lint test-host test-vm  ## everything: set-up, lint, host suites, VM suite
 demo: venv  ## start the agent and call it through the SDK, dpuctl and grpcurl
 	@scripts/demo.sh
 
-bench: venv  ## run the benchmarks; results in bench/results/*.json
+bench: venv  ## run the benchmarks, then the report (bench/REPORT.md, bench/results/)
 	$(PY) -m bench.run
 
 clean:  ## remove the virtualenv and test output (keeps the VM kernel cache)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import host_client
-from bench.common import Result, agent_process, write_results
+from bench.common import TAIL, Result, agent_process, write_results
 
 BLOCK = 4096
 VOLUME = 256 << 20
@@ -106,7 +106,15 @@ def main() -> list[Result]:
                 ref = f"p{op} QD{depth}"
                 results += [
                     Result(f"{label} IOPS", our_iops, ref_iops, "IOPS", ref),
-                    Result(f"{label} p99", our_p99, ref_p99, "us", ref, higher_is_better=False),
+                    Result(
+                        f"{label} p99",
+                        our_p99,
+                        ref_p99,
+                        "us",
+                        ref,
+                        higher_is_better=False,
+                        tolerance=TAIL,
+                    ),
                 ]
     write_results("storage_io", results)
     return results

@@ -22,7 +22,7 @@ from dpu_wire.transport.tcp import TcpAgentTransport, TcpHostTransport
 
 SECONDS = 2.0
 IN_FLIGHT = 8
-SIZES = (64 << 10, 1 << 20)
+SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20)
 MB = 1e6
 
 
@@ -107,8 +107,10 @@ def main() -> list[Result]:
             ours = asyncio.run(transport_write_mbps(size))
             jobs = asyncio.run(crc_jobs_mbps(target, size))
             ref = "raw TCP socket loopback"
-            results.append(Result(f"tcp transport WRITE {label}", ours, raw, "MB/s", ref))
-            results.append(Result(f"crc32c jobs via agent {label}", jobs, raw, "MB/s", ref))
+            for series, value in (("tcp transport WRITE", ours), ("crc32c jobs via agent", jobs)):
+                results.append(
+                    Result(f"{series} {label}", value, raw, "MB/s", ref, size=size, series=series)
+                )
     write_results("tcp_dataplane", results)
     return results
 

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dpu_agent import __version__, config, logs, server
+from dpu_agent import __version__, config, logs, server, tls
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=logs.LEVELS)
     serve.add_argument("--log-format", choices=logs.FORMATS)
     serve.add_argument(
+        "--plaintext-loopback",
+        action="store_const",
+        const=True,
+        help="serve without TLS (only on a loopback address; = [tls] plaintext_loopback)",
+    )
+    serve.add_argument(
         "--ready-file",
         type=Path,
         help="write the bound host:port here once serving (for scripts)",
@@ -40,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check-config",
         help="validate a configuration and print the merged result",
-        description="Validate the configuration (file + environment) and print it.",
+        description="Validate the configuration (file + environment) and print it, "
+        "including the TLS files and tokens file the agent would read; exit 2 if the agent "
+        "would refuse to start (e.g. a non-loopback address without TLS).",
     )
     check.add_argument("-c", "--config", type=Path, help="TOML configuration file")
     return parser
@@ -56,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             "agent_id": args.agent_id,
             "log_level": args.log_level,
             "log_format": args.log_format,
+            "tls_plaintext_loopback": args.plaintext_loopback,
         }
     try:
         cfg = config.load(args.config, overrides=overrides)
@@ -65,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         for field, value in vars(cfg).items():
             print(f"{field} = {value!r}")
+        try:
+            security = tls.security(cfg)
+        except config.ConfigError as exc:
+            print(f"dpu-agent: configuration error: {exc}", file=sys.stderr)
+            return 2
+        print(f"# security: {security.description}")
         return 0
     logs.configure(cfg.log_level, cfg.log_format)
     try:

@@ -32,6 +32,15 @@ Example file (every key optional):
     rules_file = ""               # "" = next to the volume store: <state>/flow-rules.json
     netns = ""                    # the ports' network namespace ("" = the agent's own)
 
+    [virtualization]
+    backend = "none"              # linux (veth + netns, NBD + NVMe-oF), bluefield, memory, none
+    state_file = ""               # "" = next to the volume store: <state>/functions.json
+    host_netns_prefix = "fn-"     # linux: a network function's end goes to netns <prefix><id>
+    block_export = "nvmf-rdma"    # linux: nvmf-rdma (NBD under the kernel NVMe-oF target,
+                                  # connected over RDMA) or nbd (the NBD device itself)
+    nvmf_address = ""             # linux: the RDMA interface address the target listens on
+    nvmf_port = 4420
+
     [mqtt]
     enabled = false               # publish completions, status and telemetry
     host = "127.0.0.1"
@@ -44,6 +53,31 @@ Example file (every key optional):
     telemetry_interval = 10.0     # seconds; 0 = no telemetry
     topic_prefix = "dpu/v1"
     flush_timeout = 5.0           # seconds shutdown waits to send the backlog
+
+    [metrics]
+    listen = "127.0.0.1:9464"     # Prometheus GET /metrics over HTTP; port 0 = any free
+                                  # port (logged); "" = no endpoint
+
+    [tls]                         # the gRPC listener (see dpu_agent/tls.py, README "Security")
+    cert = ""                     # the agent's certificate chain (PEM)
+    key = ""                      # its private key (PEM, unencrypted, mode 0600)
+    client_ca = ""                # CA bundle client certificates must chain to (mTLS)
+    plaintext_loopback = false    # no TLS: allowed only on a loopback listen address
+
+    [auth]
+    tokens_file = ""              # plaintext loopback only: bearer tokens -> tenants (TOML,
+                                  # mode 0600); "" = every local caller is the local admin
+
+    [quota]                       # per tenant; 0 = no limit
+    max_volumes = 0
+    max_volume_bytes = 0          # total size of the tenant's volumes
+    max_sessions = 0
+    max_queue_depth = 0           # jobs in flight over all the tenant's sessions
+    max_flow_rules = 0
+
+Without [tls] files the agent refuses to start unless plaintext_loopback is set and
+it listens on loopback. With them every caller needs a client certificate that chains
+to client_ca: its subject CN is the tenant, O=admin gives the admin role.
 
 Each key has an environment variable that overrides the file, e.g.
 `DPU_AGENT_LISTEN=0.0.0.0:50051`; `dpu-agent serve --help` lists them.
@@ -97,6 +131,12 @@ class AgentConfig:
     network_ports: str = "p0,p1,pf*,rep*"
     network_rules_file: str = ""
     network_netns: str = ""
+    virt_backend: str = "none"
+    virt_state_file: str = ""
+    virt_host_netns_prefix: str = "fn-"
+    virt_block_export: str = "nvmf-rdma"
+    virt_nvmf_address: str = ""
+    virt_nvmf_port: int = 4420
     mqtt_enabled: bool = False
     mqtt_host: str = "127.0.0.1"
     mqtt_port: int = 1883
@@ -108,6 +148,17 @@ class AgentConfig:
     mqtt_telemetry_interval: float = 10.0
     mqtt_topic_prefix: str = "dpu/v1"
     mqtt_flush_timeout: float = 5.0
+    metrics_listen: str = "127.0.0.1:9464"
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    tls_plaintext_loopback: bool = False
+    auth_tokens_file: str = ""
+    quota_max_volumes: int = 0
+    quota_max_volume_bytes: int = 0
+    quota_max_sessions: int = 0
+    quota_max_queue_depth: int = 0
+    quota_max_flow_rules: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +189,10 @@ def _listen(value: object, where: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{where}: {value!r} is not host:port (port 0-65535)")
     return value
+
+
+def _optional_listen(value: object, where: str) -> str:
+    return "" if value == "" else _listen(value, where)
 
 
 def _seconds(value: object, where: str) -> float:
@@ -316,6 +371,21 @@ SETTINGS: Final = (
     ),
     Setting("network", "netns", "network_netns", "DPU_AGENT_NETWORK_NETNS", _text, "ports' netns"),
     *(
+        Setting("virtualization", key, f"virt_{key}", f"DPU_AGENT_VIRT_{key.upper()}", parse, text)
+        for key, parse, text in (
+            (
+                "backend",
+                _choice("none", "memory", "linux", "bluefield"),
+                "function backend: linux, bluefield, memory or none",
+            ),
+            ("state_file", _path, "where function records are saved"),
+            ("host_netns_prefix", _text, "linux: netns name prefix of network functions"),
+            ("block_export", _choice("nvmf-rdma", "nbd"), "linux: nvmf-rdma or nbd"),
+            ("nvmf_address", _text, "linux: NVMe-oF target address (RDMA interface)"),
+            ("nvmf_port", _integer(1, 65535), "linux: NVMe-oF target port"),
+        )
+    ),
+    *(
         Setting("mqtt", key, f"mqtt_{key}", f"DPU_AGENT_MQTT_{key.upper()}", parse, text)
         for key, parse, text in (
             ("enabled", _boolean, "publish events over MQTT (true/false)"),
@@ -331,6 +401,50 @@ SETTINGS: Final = (
             ("flush_timeout", _seconds, "seconds to send the backlog at shutdown"),
         )
     ),
+    Setting(
+        "metrics",
+        "listen",
+        "metrics_listen",
+        "DPU_AGENT_METRICS_LISTEN",
+        _optional_listen,
+        'Prometheus /metrics host:port ("" = off)',
+    ),
+    Setting("tls", "cert", "tls_cert", "DPU_AGENT_TLS_CERT", _path, "agent certificate (PEM)"),
+    Setting("tls", "key", "tls_key", "DPU_AGENT_TLS_KEY", _path, "agent private key (PEM, 0600)"),
+    Setting(
+        "tls",
+        "client_ca",
+        "tls_client_ca",
+        "DPU_AGENT_TLS_CLIENT_CA",
+        _path,
+        "CA of client certificates (mTLS)",
+    ),
+    Setting(
+        "tls",
+        "plaintext_loopback",
+        "tls_plaintext_loopback",
+        "DPU_AGENT_TLS_PLAINTEXT_LOOPBACK",
+        _boolean,
+        "serve loopback without TLS (true/false)",
+    ),
+    Setting(
+        "auth",
+        "tokens_file",
+        "auth_tokens_file",
+        "DPU_AGENT_AUTH_TOKENS_FILE",
+        _path,
+        "bearer tokens (plaintext loopback)",
+    ),
+    *(
+        Setting("quota", key, f"quota_{key}", f"DPU_AGENT_QUOTA_{key.upper()}", parse, text)
+        for key, parse, text in (
+            ("max_volumes", _integer(0, 1 << 20), "volumes per tenant (0 = no limit)"),
+            ("max_volume_bytes", _integer(0, 1 << 62), "volume bytes per tenant (0 = no limit)"),
+            ("max_sessions", _integer(0, 1 << 20), "sessions per tenant (0 = no limit)"),
+            ("max_queue_depth", _integer(0, 1 << 30), "jobs in flight per tenant (0 = no limit)"),
+            ("max_flow_rules", _integer(0, 1 << 20), "flow rules per tenant (0 = no limit)"),
+        )
+    ),
 )
 
 
@@ -339,6 +453,13 @@ def rules_file(config: AgentConfig) -> Path:
     if config.network_rules_file:
         return Path(config.network_rules_file).expanduser()
     return storage_dir(config).parent / "flow-rules.json"
+
+
+def functions_file(config: AgentConfig) -> Path:
+    """Where the function records are saved."""
+    if config.virt_state_file:
+        return Path(config.virt_state_file).expanduser()
+    return storage_dir(config).parent / "functions.json"
 
 
 def storage_dir(config: AgentConfig) -> Path:

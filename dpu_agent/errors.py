@@ -10,6 +10,7 @@ turns them into status codes is `dpu_agent.status`.
     ├── FailedPrecondition   the system is not in a state that allows the call
     ├── ResourceExhausted    a queue, quota or capacity is full
     ├── PermissionDenied     the caller may not do this
+    ├── Unauthenticated      the caller did not prove who it is
     ├── Unavailable          a dependency is (temporarily) unreachable; retry
     ├── DeadlineExceeded     the work did not finish in the time allowed
     ├── Cancelled            the work was cancelled
@@ -48,6 +49,10 @@ class ResourceExhausted(AgentError):
 
 class PermissionDenied(AgentError):
     """The caller may not do this."""
+
+
+class Unauthenticated(AgentError):
+    """The call carries no valid credentials (no bearer token, or an unknown one)."""
 
 
 class Unavailable(AgentError):

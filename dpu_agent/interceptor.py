@@ -3,10 +3,14 @@
 For every RPC the interceptor:
 - sets the request id (from `x-request-id` metadata, or a new one) for logs and
   echoes it in the trailing metadata;
+- works out the caller's principal (`dpu_agent.identity`: client certificate, bearer
+  token or loopback) and sets it for `dpu_agent.auth`; a dpu.v1 call without valid
+  credentials is refused UNAUTHENTICATED before its service runs (health checks pass
+  without credentials);
 - runs the generic request validation (`dpu_agent.validation`);
 - maps domain errors (`dpu_agent.errors`) to gRPC status codes, and any other
   exception to INTERNAL without leaking its text;
-- writes one access-log line with method, status code and duration.
+- writes one access-log line with method, tenant, status code and duration.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from google.protobuf.message import DecodeError, Message
 from dpu_agent import errors, request_context
 from dpu_agent.status import status_for
 from dpu_agent.validation import validate_request
-from dpu_wire import REQUEST_ID_METADATA_KEY
+from dpu_wire import API_PACKAGE, REQUEST_ID_METADATA_KEY
+
+if TYPE_CHECKING:
+    from dpu_agent.identity import Authenticator
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +57,20 @@ class _Rpc:
         # Each RPC runs in its own task (its own context copy): no reset needed.
         request_context.request_id.set(self.rid)
         request_context.rpc_method.set(method)
+        request_context.principal.set(None)
+        self.tenant = ""
         context.set_trailing_metadata(((REQUEST_ID_METADATA_KEY, self.rid),))
+
+    def authenticate(self, authenticator: Authenticator) -> None:
+        """Set the caller's principal; Unauthenticated for a dpu.v1 call without one."""
+        try:
+            principal = authenticator.authenticate(self.context)
+        except errors.Unauthenticated:
+            if self.method.startswith(f"/{API_PACKAGE}."):
+                raise
+            return  # health checks: answered without credentials
+        request_context.principal.set(principal)
+        self.tenant = principal.tenant
 
     async def fail(self, exc: Exception) -> NoReturn:
         """Abort the call with the status the exception maps to."""
@@ -68,6 +88,7 @@ class _Rpc:
             "rpc",
             extra={
                 "method": self.method,
+                "tenant": self.tenant,
                 "code": code.name if isinstance(code, grpc.StatusCode) else str(code or "OK"),
                 "ms": round((time.perf_counter() - self.start) * 1000, 3),
             },
@@ -107,10 +128,11 @@ UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[An
 StreamBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]
 
 
-def _wrap_unary(method: str, inner: UnaryBehavior) -> UnaryBehavior:
+def _wrap_unary(method: str, inner: UnaryBehavior, authenticator: Authenticator) -> UnaryBehavior:
     async def behavior(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:  # noqa: ANN401
         rpc = _Rpc(method, context)
         try:
+            rpc.authenticate(authenticator)
             _check(request)
             return await inner(request, context)
         except grpc.aio.AbortError:
@@ -123,12 +145,15 @@ def _wrap_unary(method: str, inner: UnaryBehavior) -> UnaryBehavior:
     return behavior
 
 
-def _wrap_stream(method: str, inner: StreamBehavior) -> StreamBehavior:
+def _wrap_stream(
+    method: str, inner: StreamBehavior, authenticator: Authenticator
+) -> StreamBehavior:
     async def behavior(
         request: object, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         rpc = _Rpc(method, context)
         try:
+            rpc.authenticate(authenticator)
             _check(request)
             async for item in inner(request, context):
                 yield item
@@ -151,7 +176,14 @@ else:  # grpc's classes are not subscriptable at run time
 
 
 class RpcInterceptor(_Interceptor):
-    """Request ids, validation, error mapping and access logs (unary and server-streaming)."""
+    """Request ids, principals, validation, error mapping and access logs.
+
+    Unary and server-streaming calls are wrapped; other kinds (server reflection's
+    bidirectional stream) pass through.
+    """
+
+    def __init__(self, authenticator: Authenticator) -> None:
+        self._authenticator = authenticator
 
     async def intercept_service(
         self,
@@ -165,13 +197,17 @@ class RpcInterceptor(_Interceptor):
         method: str = handler_call_details.method
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(method, cast("UnaryBehavior", handler.unary_unary)),
+                _wrap_unary(
+                    method, cast("UnaryBehavior", handler.unary_unary), self._authenticator
+                ),
                 request_deserializer=_lenient(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(method, cast("StreamBehavior", handler.unary_stream)),
+                _wrap_stream(
+                    method, cast("StreamBehavior", handler.unary_stream), self._authenticator
+                ),
                 request_deserializer=_lenient(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import signal
 import time
@@ -16,7 +15,7 @@ from google.protobuf import descriptor, timestamp_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dpu_agent import __version__, platform
+from dpu_agent import __version__, platform, tls
 from dpu_agent.config import ConfigError, rules_file, storage_dir
 from dpu_agent.dataplane import transports
 from dpu_agent.dataplane.manager import ManagerSettings, SessionManager
@@ -24,17 +23,22 @@ from dpu_agent.errors import AgentError
 from dpu_agent.events import MqttEventPublisher, MqttSettings
 from dpu_agent.events.payloads import session_stats
 from dpu_agent.interceptor import RpcInterceptor
+from dpu_agent.metrics import AgentMetrics, MetricsServer
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
 from dpu_agent.network.tc_backend import TcFlowBackend
+from dpu_agent.quota import Quotas
 from dpu_agent.services.agent_info import AgentInfoService
 from dpu_agent.services.jobs import JobService
 from dpu_agent.services.network import NetworkService
 from dpu_agent.services.sessions import SessionService
 from dpu_agent.services.storage import StorageService
 from dpu_agent.services.unimplemented import unimplemented_handler
+from dpu_agent.services.virtualization import VirtualizationService
 from dpu_agent.storage import VolumeStore, open_store
+from dpu_agent.storage.exports import GuardedVolumeStore, VolumeExports
+from dpu_agent.virtualization.factory import open_functions
 from dpu_wire.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -47,6 +51,7 @@ from dpu_wire.v1 import (
     storage_pb2,
     storage_pb2_grpc,
     virtualization_pb2,
+    virtualization_pb2_grpc,
 )
 
 if TYPE_CHECKING:
@@ -54,10 +59,12 @@ if TYPE_CHECKING:
 
     from dpu_agent.config import AgentConfig
     from dpu_agent.network.backend import FlowBackend
+    from dpu_agent.virtualization.manager import FunctionManager
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
+MAX_STREAMS_PER_CONNECTION: Final = 1024  # concurrent calls of one client; more wait their turn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +79,14 @@ NETWORK_SERVICE: Final = network_pb2.DESCRIPTOR.services_by_name["NetworkService
 NO_NETWORK: Final = PlannedService(
     NETWORK_SERVICE, "no network backend is configured ([network] backend = tc)"
 )
-PLANNED_SERVICES: Final = (
-    PlannedService(
-        virtualization_pb2.DESCRIPTOR.services_by_name["VirtualizationService"],
-        "virtualization offload is not in this version yet",
-    ),
+VIRTUALIZATION_SERVICE: Final = virtualization_pb2.DESCRIPTOR.services_by_name[
+    "VirtualizationService"
+]
+NO_VIRTUALIZATION: Final = PlannedService(
+    VIRTUALIZATION_SERVICE,
+    "no function backend is configured ([virtualization] backend = linux or bluefield)",
 )
+PLANNED_SERVICES: Final[tuple[PlannedService, ...]] = ()
 
 SERVED_SERVICES: Final = (
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"],
@@ -171,16 +180,6 @@ def _open_store(config: AgentConfig) -> VolumeStore:
     return store
 
 
-def _is_loopback(listen: str) -> bool:
-    host = listen.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class AgentServer:
     """The agent's gRPC server. Start it, then stop it (gracefully) once."""
 
@@ -199,6 +198,10 @@ class AgentServer:
         self.store: VolumeStore | None = None
         self.events: MqttEventPublisher | None = None
         self.flows: FlowTable | None = None
+        self.metrics: AgentMetrics | None = None  # None: [metrics] listen = ""
+        self.metrics_endpoint: MetricsServer | None = None
+        self.functions: FunctionManager | None = None
+        self.exports = VolumeExports()
 
     @property
     def address(self) -> str:
@@ -209,20 +212,29 @@ class AgentServer:
         """Bind, register every service and start serving; return the bound address."""
         if self._server is not None:
             raise RuntimeError("AgentServer.start() called twice")
+        security = tls.security(self.config)  # ConfigError before anything is opened
         start_time = timestamp_pb2.Timestamp()
         start_time.GetCurrentTime()
         devices = await asyncio.to_thread(platform.rdma_devices)
         cfg = self.config
         self.store = await asyncio.to_thread(_open_store, cfg)
         self.flows = await asyncio.to_thread(_flow_table, cfg)
-        served = list(SERVED_SERVICES)
-        planned = list(PLANNED_SERVICES)
-        if self.flows is None:
-            planned.insert(0, NO_NETWORK)
-        else:
-            served.append(NETWORK_SERVICE)
+        flows = self.flows
+        self.functions = await asyncio.to_thread(
+            lambda: open_functions(
+                cfg,
+                volumes=self.store,
+                exports=self.exports,
+                flow_rules=flows.rules if flows is not None else list,
+            )
+        )
+        # Everyone but a block function's export goes through the guard.
+        guarded = GuardedVolumeStore(self.store, self.exports)
+        served, planned = self._service_sets()
         if cfg.mqtt_enabled:
             self.events = _event_publisher(cfg, start_time, self._session_stats)
+        if cfg.metrics_listen:
+            self.metrics = AgentMetrics(cfg.agent_id, __version__)
         self.sessions = SessionManager(
             ManagerSettings(
                 max_sessions=cfg.max_sessions,
@@ -232,16 +244,72 @@ class AgentServer:
             ),
             transports.factories(cfg, devices),
             on_completion=self.events.publish_completion if self.events else None,
-            store=self.store,
+            store=guarded,
+            quotas=Quotas.from_config(cfg),
+            metrics=self.metrics,
         )
         server = grpc.aio.server(
-            interceptors=[RpcInterceptor()],
+            interceptors=[RpcInterceptor(security.authenticator)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ],
         )
+        self._register(server, guarded, served, planned, start_time=start_time, devices=devices)
+        try:
+            if security.credentials is None:  # tls.security() allowed it: loopback only
+                self.port = server.add_insecure_port(self.config.listen)
+            else:
+                self.port = server.add_secure_port(self.config.listen, security.credentials)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {self.config.listen}: {exc}") from None
+        await server.start()
+        self.sessions.start()
+        if self.events is not None:
+            self.events.start()
+        await self._serve_metrics()
+        self._server = server
+        for name in (*[s.full_name for s in served], health.OVERALL_HEALTH):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving",
+            extra={
+                "address": self.address,
+                "agent": self.config.agent_id,
+                "version": __version__,
+                "security": security.description,
+            },
+        )
+        return self.address
+
+    def _service_sets(self) -> tuple[list[descriptor.ServiceDescriptor], list[PlannedService]]:
+        """The services this agent serves, and the planned ones with why they are not served."""
+        served = list(SERVED_SERVICES)
+        planned = list(PLANNED_SERVICES)
+        if self.flows is None:
+            planned.append(NO_NETWORK)
+        else:
+            served.append(NETWORK_SERVICE)
+        if self.functions is None:
+            planned.append(NO_VIRTUALIZATION)
+        else:
+            served.append(VIRTUALIZATION_SERVICE)
+        return served, planned
+
+    def _register(  # noqa: PLR0913 - everything the servicers are built from
+        self,
+        server: grpc.aio.Server,
+        guarded: VolumeStore,
+        served: list[descriptor.ServiceDescriptor],
+        planned: list[PlannedService],
+        *,
+        start_time: timestamp_pb2.Timestamp,
+        devices: tuple[platform.RdmaDeviceInfo, ...],
+    ) -> None:
+        """Add every servicer, the UNIMPLEMENTED stand-ins, health and reflection."""
+        assert self.sessions is not None  # noqa: S101 - start() made it
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentInfoService(
                 self.config.agent_id,
@@ -254,10 +322,17 @@ class AgentServer:
         )
         session_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(self.sessions), server)
         job_pb2_grpc.add_JobServiceServicer_to_server(JobService(self.sessions), server)
-        storage_pb2_grpc.add_StorageServiceServicer_to_server(StorageService(self.store), server)
+        quotas = Quotas.from_config(self.config)
+        storage_pb2_grpc.add_StorageServiceServicer_to_server(
+            StorageService(guarded, quotas), server
+        )
         if self.flows is not None:
             network_pb2_grpc.add_NetworkServiceServicer_to_server(
-                NetworkService(self.flows), server
+                NetworkService(self.flows, quotas), server
+            )
+        if self.functions is not None:
+            virtualization_pb2_grpc.add_VirtualizationServiceServicer_to_server(
+                VirtualizationService(self.functions, guarded), server
             )
         handlers = [unimplemented_handler(p.descriptor, p.reason) for p in planned]
         server.add_generic_rpc_handlers([*handlers, *self._extra_handlers])
@@ -266,27 +341,35 @@ class AgentServer:
         reflection.enable_server_reflection(
             [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
-        if not _is_loopback(self.config.listen):
-            log.warning(
-                "listening in plaintext on a non-loopback address; TLS is not in this version",
-                extra={"listen": self.config.listen},
-            )
-        try:
-            self.port = server.add_insecure_port(self.config.listen)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {self.config.listen}: {exc}") from None
-        await server.start()
-        self.sessions.start()
-        if self.events is not None:
-            self.events.start()
-        self._server = server
-        for name in (*[s.full_name for s in served], health.OVERALL_HEALTH):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info(
-            "serving",
-            extra={"address": self.address, "agent": self.config.agent_id, "version": __version__},
+
+    async def _serve_metrics(self) -> None:
+        """Serve GET /metrics on [metrics] listen.
+
+        An address that cannot be bound is logged as an error and the agent serves
+        without the endpoint: metrics must not take the data path down.
+        """
+        if self.metrics is None:
+            return
+        self.metrics.observe(
+            sessions=self.sessions, events=self.events, store=self.store, flows=self.flows
         )
-        return self.address
+        endpoint = MetricsServer(self.metrics.registry)
+        listen = self.config.metrics_listen
+        try:
+            await asyncio.to_thread(endpoint.start, listen)
+        except OSError as exc:
+            log.error(  # noqa: TRY400 - the reason is in the message, no traceback needed
+                "metrics endpoint disabled: cannot listen",
+                extra={"listen": listen, "error": str(exc)},
+            )
+            return
+        self.metrics_endpoint = endpoint
+        if not tls.is_loopback(endpoint.address):
+            log.warning(
+                "metrics endpoint on a non-loopback address (plain HTTP, no authentication)",
+                extra={"address": endpoint.address},
+            )
+        log.info("metrics serving", extra={"address": endpoint.address, "url": endpoint.url})
 
     def _session_stats(self) -> dict[str, object]:
         return session_stats(self.sessions.sessions() if self.sessions else [])
@@ -306,6 +389,10 @@ class AgentServer:
         await server.stop(max(0.0, grace - (time.monotonic() - started)))
         if self.events is not None:
             await self.events.stop()  # the last completions, then the retained "offline"
+        if self.metrics_endpoint is not None:  # before what its scrapes read is closed
+            await asyncio.to_thread(self.metrics_endpoint.stop)
+        if self.functions is not None:
+            await asyncio.to_thread(self.functions.close)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
         log.info("stopped")

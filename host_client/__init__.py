@@ -37,8 +37,10 @@ from host_client._events import (
     Subscription,
     Telemetry,
 )
+from host_client._request_ids import request_id
 from host_client._session import Buffer, BufferRef, Job, Session
 from host_client._sync import SyncClient
+from host_client._tls import TlsConfig
 
 try:
     __version__ = _metadata.version("dpu-offload")
@@ -71,8 +73,10 @@ __all__ = [
     "Subscription",
     "SyncClient",
     "Telemetry",
+    "TlsConfig",
     "UnavailableError",
     "UnimplementedError",
     "__version__",
     "default_target",
+    "request_id",
 ]

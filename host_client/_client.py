@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, Final, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, Self, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,8 +25,10 @@ from dpu_wire.v1 import (
     session_pb2_grpc,
     storage_pb2,
     storage_pb2_grpc,
+    virtualization_pb2,
     virtualization_pb2_grpc,
 )
+from host_client import _request_ids
 from host_client._errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -35,9 +37,10 @@ from host_client._errors import (
     from_rpc_error,
 )
 from host_client._session import TRANSPORT_NUMBERS, Session
+from host_client._tls import TOKEN_ENV, TlsConfig, open_channel
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Sequence
     from types import TracebackType
 
     from dpu_wire.transport.base import HostTransport
@@ -93,24 +96,42 @@ class Client:
         async with Client("127.0.0.1:50051") as client:
             info = await client.agent_info()
 
-    Every call carries a request id (`x-request-id`) that the agent logs; failed
-    calls raise a `DpuError` subclass that carries it too.
+    Every call carries a request id (`x-request-id`) that the agent logs: a new one
+    per call, or the caller's (`host_client.request_id(...)` around calls, or the
+    `request_id=` of `open_session` and `Session.submit_rpc`). Failed calls raise a
+    `DpuError` subclass that carries it too.
+
+    An agent off loopback serves mTLS only: pass `tls=TlsConfig(ca=..., cert=...,
+    key=...)` (or set $DPU_TLS_CA, $DPU_TLS_CERT, $DPU_TLS_KEY). The client
+    certificate's subject CN is the tenant the calls act for.
     """
 
-    def __init__(self, target: str | None = None, *, timeout: float | None = 10.0) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout: float | None = 10.0,
+        tls: TlsConfig | Literal[False] | None = None,
+        token: str | None = None,
+    ) -> None:
         """Create a client for the agent at `target` (host:port, default $DPU_TARGET).
 
-        `timeout` is the per-call deadline in seconds (None: no deadline).
+        `timeout` is the per-call deadline in seconds (None: no deadline). `tls`: the
+        TLS files (None: from $DPU_TLS_CA etc., plaintext if unset; False: plaintext).
+        `token`: a bearer token for a plaintext loopback agent that has a tokens file
+        (None: $DPU_TOKEN; it is only ever sent to a loopback address or over TLS).
         """
         self.target = target or default_target()
         self.timeout = timeout
+        self.tls = TlsConfig.from_env() if tls is None else (tls or None)
+        self._token = os.environ.get(TOKEN_ENV) if token is None else token
         self._channel: grpc.aio.Channel | None = None
         self._stubs: Stubs | None = None
 
     async def __aenter__(self) -> Self:
         if self._channel is not None:
             raise RuntimeError("Client is already open (it is not re-entrant)")
-        self._channel = grpc.aio.insecure_channel(self.target)
+        self._channel = open_channel(self.target, self.tls, self._token or None, [])
         channel: Any = self._channel
         self._stubs = Stubs(
             agent=agent_pb2_grpc.AgentServiceStub(channel),
@@ -338,7 +359,61 @@ class Client:
             network_pb2.DeleteFlowRuleRequest(name=name, request_id=uuid.uuid4().hex),
         )
 
-    async def open_session(
+    async def create_function(
+        self, function_id: str, function: virtualization_pb2.Function
+    ) -> virtualization_pb2.Function:
+        """Make a function ("functions/{function_id}"): its device, representor and volume.
+
+        Set `function.type` (FUNCTION_TYPE_VF, _SF, _VIRTIO_NET, _VIRTIO_BLK, _NVME) and,
+        for a block function, `function.volume` ("volumes/{id}"). The answer carries the
+        representor port and the device the host sees.
+        """
+        return await self._call(
+            self.stubs.virtualization.CreateFunction,
+            virtualization_pb2.CreateFunctionRequest(
+                function_id=function_id, function=function, request_id=uuid.uuid4().hex
+            ),
+        )
+
+    async def get_function(self, name: str) -> virtualization_pb2.Function:
+        """One function ("functions/{id}")."""
+        return await self._call(
+            self.stubs.virtualization.GetFunction,
+            virtualization_pb2.GetFunctionRequest(name=name),
+        )
+
+    async def list_functions(self) -> list[virtualization_pb2.Function]:
+        """Every function (all pages)."""
+        functions: list[virtualization_pb2.Function] = []
+        token = ""
+        while True:
+            page: virtualization_pb2.ListFunctionsResponse = await self._call(
+                self.stubs.virtualization.ListFunctions,
+                virtualization_pb2.ListFunctionsRequest(page_token=token),
+            )
+            functions.extend(page.functions)
+            token = page.next_page_token
+            if not token:
+                return functions
+
+    async def update_function(
+        self, function: virtualization_pb2.Function, fields: Sequence[str]
+    ) -> virtualization_pb2.Function:
+        """Change the named fields (mac_address, mtu, vlan_id, rate_limit_bps, trust, ...)."""
+        request = virtualization_pb2.UpdateFunctionRequest(
+            function=function, request_id=uuid.uuid4().hex
+        )
+        request.update_mask.paths.extend(fields)
+        return await self._call(self.stubs.virtualization.UpdateFunction, request)
+
+    async def delete_function(self, name: str) -> None:
+        """Remove a function (refused while a flow rule or a mounted filesystem uses it)."""
+        await self._call(
+            self.stubs.virtualization.DeleteFunction,
+            virtualization_pb2.DeleteFunctionRequest(name=name, request_id=uuid.uuid4().hex),
+        )
+
+    async def open_session(  # noqa: PLR0913 - the session's settings, all by keyword
         self,
         *,
         transport: str = "auto",
@@ -346,12 +421,15 @@ class Client:
         label: str = "",
         data_host: str = "127.0.0.1",
         rdma_device: str | None = None,
+        request_id: str | None = None,
     ) -> Session:
         """Open a data-plane session; use it as `async with await client.open_session():`.
 
         `transport`: "verbs" (RDMA RC queue pair), "tcp" (a socket the agent dials
         back to at `data_host`), or "auto" (verbs when both this host and the agent
         have an RDMA device, else tcp). `queue_depth` bounds the jobs in flight.
+        `request_id` is the OpenSession call's id (and idempotency key); the completion
+        events of the session's capsule jobs carry it (`Session.request_id`).
         """
         if transport not in TRANSPORT_NUMBERS:
             choices = ", ".join(TRANSPORT_NUMBERS)
@@ -367,7 +445,7 @@ class Client:
         host = _host_transport(transport, data_host, rdma_device, queue_depth)
         session = Session(self, host, queue_depth)
         try:
-            await session._open(TRANSPORT_NUMBERS[transport], label)  # noqa: SLF001
+            await session._open(TRANSPORT_NUMBERS[transport], label, request_id)  # noqa: SLF001
         except BaseException:
             await host.close()
             raise
@@ -380,7 +458,7 @@ class Client:
         *,
         request_id: str | None = None,
     ) -> _R:
-        rid = request_id or uuid.uuid4().hex
+        rid = _request_ids.for_call(request_id)
         try:
             return await method(
                 request,

@@ -15,6 +15,12 @@ run concurrently. (Iterators on one filter share one broker subscription; each j
 re-subscribes with a new MQTT subscription identifier, so the broker's retained copy
 goes to the new iterator only, while live messages go to all of them.)
 
+A broker that requires log-ins (deploy/mosquitto/mosquitto-secure.conf) takes
+`username`/`password`, and TLS with `ca_file` (and a client certificate with
+`cert_file`/`key_file`); its ACL decides what arrives: a tenant's account receives only
+its own tenant's completions and the agents' status, whatever filter it subscribes
+to. A refused log-in raises `PermissionDeniedError`.
+
 Completions are QoS 1: none is lost while the subscriber stays connected, and one
 may arrive twice if the agent resent it after a reconnection
 (`event.job` identifies it). If the broker connection is lost, every iterator raises
@@ -31,6 +37,7 @@ import itertools
 import json
 import logging
 import re
+import ssl
 from typing import TYPE_CHECKING, Any, Final, Generic, Self, TypeVar, cast
 
 import aiomqtt
@@ -39,9 +46,10 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from host_client._completion import _CODE_NAMES, Completion
-from host_client._errors import InvalidArgumentError, UnavailableError
+from host_client._errors import InvalidArgumentError, PermissionDeniedError, UnavailableError
 
 if TYPE_CHECKING:
+    import os
     from collections.abc import Callable
     from types import TracebackType
 
@@ -55,6 +63,10 @@ _TIME_RE: Final = re.compile(
     r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)", re.IGNORECASE
 )
 _LEVEL_FORBIDDEN: Final = frozenset("/+#\x00")
+# CONNACK codes of a refused log-in: MQTT 5 "bad user name or password", "not
+# authorized", "bad authentication method"; MQTT 3.1.1 4 and 5 are the same two.
+_LOGIN_REFUSED: Final = frozenset({0x86, 0x87, 0x8C, 4, 5})
+_NOT_AUTHORIZED: Final = 0x87
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +80,8 @@ class CompletionEvent:
         job: the job's resource name, "sessions/{session_id}/jobs/{job_id}".
         kind: "COPY" or "CRC32C".
         origin: "capsule" (data plane) or "grpc" (SubmitJob).
-        request_id: the SubmitJob request id, "" for capsule jobs.
+        request_id: the x-request-id of the call that made the job: its SubmitJob,
+            or for a capsule job its session's OpenSession ("" when none).
         completion: the outcome, as `Session` jobs return it.
     """
 
@@ -317,10 +330,16 @@ class EventSubscriber:
         hostname: broker host.
         port: broker port.
         username: user name, or None for anonymous.
-        password: password.
+        password: password (kept out of repr and error messages).
         topic_prefix: the agents' topic prefix (their `mqtt.topic_prefix`).
         identifier: MQTT client id; None lets the broker choose one.
         timeout: seconds to wait for the broker to answer (connect, subscribe).
+        tls: connect over TLS, verifying the broker against the system's CAs (True),
+            or with this `ssl.SSLContext` as it is.
+        ca_file: PEM file of the CA that signed the broker's certificate (implies TLS).
+        cert_file: PEM client certificate to present (implies TLS); with `key_file`
+            unless the file also holds the private key.
+        key_file: PEM private key of `cert_file`.
 
     Use it as an async context manager; it is reusable (enter it again after it
     exited, e.g. after the broker connection was lost) but not re-entrant.
@@ -336,6 +355,10 @@ class EventSubscriber:
         topic_prefix: str = DEFAULT_PREFIX,
         identifier: str | None = None,
         timeout: float = 10.0,
+        tls: bool | ssl.SSLContext = False,
+        ca_file: str | os.PathLike[str] | None = None,
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self.hostname = hostname
         self.port = port
@@ -344,6 +367,7 @@ class EventSubscriber:
         self._password = password
         self._identifier = identifier
         self._timeout = timeout
+        self._tls = _tls_context(tls, ca_file, cert_file, key_file)
         self._client: aiomqtt.Client | None = None
         self._reader: asyncio.Task[None] | None = None
         self._filters: dict[str, _Filter] = {}  # one broker subscription per filter
@@ -362,9 +386,20 @@ class EventSubscriber:
             identifier=self._identifier,
             protocol=aiomqtt.ProtocolVersion.V5,
             timeout=self._timeout,
+            tls_context=self._tls,
         )
         try:
             await client.__aenter__()
+        except aiomqtt.MqttCodeError as exc:
+            if _code(exc.rc) in _LOGIN_REFUSED:
+                raise PermissionDeniedError(
+                    "PERMISSION_DENIED",
+                    f"event broker {self.hostname}:{self.port} refused the log-in"
+                    f"{f' of {self._username!r}' if self._username else ' (anonymous)'}: {exc}",
+                ) from None
+            raise UnavailableError(
+                "UNAVAILABLE", f"event broker {self.hostname}:{self.port}: {exc}"
+            ) from exc
         except aiomqtt.MqttError as exc:
             raise UnavailableError(
                 "UNAVAILABLE", f"event broker {self.hostname}:{self.port}: {exc}"
@@ -478,6 +513,11 @@ class EventSubscriber:
         except aiomqtt.MqttError as exc:
             self._leave(subscription)
             raise UnavailableError("UNAVAILABLE", f"subscribe failed: {exc}") from exc
+        if any(_code(code) == _NOT_AUTHORIZED for code in granted):
+            self._leave(subscription)
+            raise PermissionDeniedError(
+                "PERMISSION_DENIED", f"the broker's ACL refused {topic_filter!r}: {granted}"
+            )
         if any(_refused(code) for code in granted):
             self._leave(subscription)
             raise UnavailableError("UNAVAILABLE", f"the broker refused {topic_filter!r}: {granted}")
@@ -555,7 +595,53 @@ def _bytes(message: aiomqtt.Message) -> bytes:
     return bytes(message.payload)
 
 
+def _code(code: int | ReasonCode | None) -> int | None:
+    return code.value if isinstance(code, ReasonCode) else code
+
+
 def _refused(code: int | ReasonCode) -> bool:
     """Whether a SUBACK code refuses the subscription (0x80 and up)."""
-    value = code.value if isinstance(code, ReasonCode) else code
-    return value >= 0x80
+    value = _code(code)
+    return value is not None and value >= 0x80
+
+
+def _tls_context(
+    tls: bool | ssl.SSLContext,  # noqa: FBT001 - one keyword argument of EventSubscriber
+    ca_file: str | os.PathLike[str] | None,
+    cert_file: str | os.PathLike[str] | None,
+    key_file: str | os.PathLike[str] | None,
+) -> ssl.SSLContext | None:
+    """The TLS context the options ask for; None for a plain TCP connection."""
+    if isinstance(tls, ssl.SSLContext):
+        if ca_file or cert_file or key_file:
+            raise InvalidArgumentError(
+                "INVALID_ARGUMENT", "give either an SSLContext or ca_file/cert_file/key_file"
+            )
+        return tls
+    if not (tls or ca_file or cert_file or key_file):
+        return None
+    if key_file and not cert_file:
+        raise InvalidArgumentError("INVALID_ARGUMENT", "key_file needs cert_file")
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+        if cert_file:
+            context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgumentError("INVALID_ARGUMENT", f"TLS files: {exc}") from None
+    context.sslsocket_class = _ClosingSSLSocket
+    return context
+
+
+class _ClosingSSLSocket(ssl.SSLSocket):
+    """Closes itself when the TLS handshake fails.
+
+    paho-mqtt 2.2 drops the socket without closing it when `do_handshake` raises
+    (an untrusted broker, say), leaking a file descriptor per failed connection.
+    """
+
+    def do_handshake(self, block: bool = False) -> None:  # noqa: FBT001, FBT002 - the base's signature
+        try:
+            super().do_handshake(block)
+        except BaseException:
+            self.close()
+            raise

@@ -16,6 +16,7 @@ from dpu_wire import REQUEST_ID_METADATA_KEY, capsule, endpoints
 from dpu_wire.capsule import JobKind, Span
 from dpu_wire.transport.base import Access, TransportError
 from dpu_wire.v1 import agent_pb2, common_pb2, job_pb2, session_pb2
+from host_client import _request_ids
 from host_client._completion import Completion
 from host_client._errors import (
     DpuError,
@@ -146,6 +147,7 @@ class Session:
         self.queue_depth = queue_depth
         self.name = ""
         self.transport = ""
+        self.request_id = ""  # the OpenSession call's x-request-id
         self._credits = asyncio.Semaphore(queue_depth)
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[Completion], JobKind]] = {}
@@ -161,16 +163,18 @@ class Session:
         self._closed = False
 
     # ------------------------------------------------------------------ set-up
-    async def _open(self, transport: int, label: str) -> None:
+    async def _open(self, transport: int, label: str, request_id: str | None = None) -> None:
+        key = _request_ids.check(request_id) if request_id else uuid.uuid4().hex
+        self.request_id = request_id or _request_ids.current() or key
         request = session_pb2.OpenSessionRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=key,
             transport=transport,  # type: ignore[arg-type]
             queue_depth=self.queue_depth,
             client_label=label,
             host_endpoint=endpoints.to_proto(self._transport.address),
         )
         reply: session_pb2.Session = await self._client._call(  # noqa: SLF001
-            self._client.stubs.sessions.OpenSession, request
+            self._client.stubs.sessions.OpenSession, request, request_id=self.request_id
         )
         self.name = reply.name
         self.transport = TRANSPORT_NAMES.get(reply.transport, str(reply.transport))
@@ -382,21 +386,30 @@ class Session:
         return await self.submit_spec(spec, request_id=request_id)
 
     async def submit_spec(self, spec: job_pb2.JobSpec, *, request_id: str | None = None) -> Job:
-        """Queue any dpu.v1 JobSpec through SubmitJob (e.g. volume jobs by volume name)."""
+        """Queue any dpu.v1 JobSpec through SubmitJob (e.g. volume jobs by volume name).
+
+        `request_id` is the call's id and idempotency key (a retry with the same one
+        gets the first job back); the job's completion event carries it. A volume job's
+        volume is attached to the session first (the agent takes volume jobs only for
+        attached volumes).
+        """
         self._require_usable()
-        job_kind = _SPEC_KINDS.get(spec.WhichOneof("kind") or "")
+        key = _request_ids.check(request_id) if request_id else uuid.uuid4().hex
+        rid = request_id or _request_ids.current() or key
+        kind = spec.WhichOneof("kind") or ""
+        job_kind = _SPEC_KINDS.get(kind)
         if job_kind is None:
             raise InvalidArgumentError("INVALID_ARGUMENT", "the JobSpec names no job kind")
+        if kind.startswith("volume_"):
+            await self.attach(getattr(spec, kind).volume)
         await self._credits.acquire()
         try:
             reply: job_pb2.Job = await self._client._call(  # noqa: SLF001
                 self._client.stubs.jobs.SubmitJob,
                 job_pb2.SubmitJobRequest(
-                    session=self.name,
-                    spec=spec,
-                    request_id=request_id or uuid.uuid4().hex,
-                    wait_for_slot=True,
+                    session=self.name, spec=spec, request_id=key, wait_for_slot=True
                 ),
+                request_id=rid,
             )
         except BaseException:
             self._credits.release()
@@ -406,6 +419,11 @@ class Session:
         if early is not None:
             self._credits.release()
             future.set_result(early)
+        elif self.error is not None or self._closed:  # failed or closed during SubmitJob:
+            self._credits.release()  # no completion will come, and nothing fails it later
+            future.set_exception(
+                self.error or UnavailableError("CANCELLED", "session closed by the client")
+            )
         else:
             self._pending[reply.job_id] = (future, job_kind)
         return Job(reply.job_id, job_kind, future)
@@ -536,7 +554,7 @@ class Session:
         """Hold the session's watch stream (the agent's sign that this host is alive)."""
         stream = self._client.stubs.jobs.WatchCompletions(
             job_pb2.WatchCompletionsRequest(session=self.name, origin=job_pb2.JOB_ORIGIN_RPC),
-            metadata=((REQUEST_ID_METADATA_KEY, uuid.uuid4().hex),),
+            metadata=((REQUEST_ID_METADATA_KEY, _request_ids.for_call()),),
         )
         try:
             await stream.wait_for_connection()

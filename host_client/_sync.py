@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Self, TypeVar
+from typing import TYPE_CHECKING, Literal, Self, TypeVar
 
 from host_client._client import Client
 
@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from dpu_wire.v1 import agent_pb2
+    from host_client._tls import TlsConfig
 
 _T = TypeVar("_T")
 
@@ -26,9 +27,16 @@ class SyncClient:
     from inside a running event loop (use `Client` there).
     """
 
-    def __init__(self, target: str | None = None, *, timeout: float | None = 10.0) -> None:
-        """Create a client for the agent at `target`; see `Client`."""
-        self._client = Client(target, timeout=timeout)
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout: float | None = 10.0,
+        tls: TlsConfig | Literal[False] | None = None,
+        token: str | None = None,
+    ) -> None:
+        """Create a client for the agent at `target`; see `Client` (tls, token too)."""
+        self._client = Client(target, timeout=timeout, tls=tls, token=token)
         self._runner: asyncio.Runner | None = None
 
     @property

@@ -2,23 +2,29 @@
 
 Exit status: 0 success; 1 the call failed (the agent's status and message are
 printed on stderr); 2 bad usage; 4 `health` answered but not SERVING.
+
+An agent off loopback serves mTLS only: give the CA and this client's certificate
+and key (--ca/--cert/--key or $DPU_TLS_CA/$DPU_TLS_CERT/$DPU_TLS_KEY); the
+certificate's subject CN is the tenant. `dpuctl certs` makes a lab set.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Literal
 
 from google.protobuf import json_format
 
 from dpu_wire.v1 import agent_pb2, job_pb2, session_pb2
 from host_client import __version__ as sdk_version
-from host_client import _cli_events, _cli_network, _cli_volume
+from host_client import _cli_certs, _cli_events, _cli_function, _cli_network, _cli_volume
 from host_client._client import TARGET_ENV, Client, default_target
-from host_client._errors import DpuError
+from host_client._errors import DpuError, InvalidArgumentError
+from host_client._tls import CA_ENV, CERT_ENV, KEY_ENV, SERVER_NAME_ENV, TOKEN_ENV, TlsConfig
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -56,6 +62,27 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=_positive_seconds, default=10.0, help="per-call deadline in seconds"
     )
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    security = parser.add_argument_group(
+        "security",
+        "mTLS to the agent (required off loopback), or a bearer token to a plaintext "
+        "loopback agent that has a tokens file",
+    )
+    security.add_argument("--ca", metavar="PEM", help=f"CA of the agent's certificate (${CA_ENV})")
+    security.add_argument(
+        "--cert", metavar="PEM", help=f"client certificate, CN = tenant (${CERT_ENV})"
+    )
+    security.add_argument("--key", metavar="PEM", help=f"its private key (${KEY_ENV})")
+    security.add_argument(
+        "--server-name",
+        metavar="NAME",
+        help=f"name expected in the agent's certificate (${SERVER_NAME_ENV}; default: target host)",
+    )
+    security.add_argument(
+        "--token", metavar="TOKEN", help=f"bearer token, plaintext loopback only (${TOKEN_ENV})"
+    )
+    security.add_argument(
+        "--plaintext", action="store_true", help="no TLS even if $DPU_TLS_CA is set (loopback)"
+    )
     parser.add_argument("--version", action="version", version=f"dpuctl {sdk_version}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("info", help="agent identity, RDMA devices and capabilities")
@@ -76,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     _cli_volume.add_parser(sub)
     _cli_events.add_parser(sub)
     _cli_network.add_parser(sub)
+    _cli_function.add_parser(sub)
+    _cli_certs.add_parser(sub)
     job = sub.add_parser("job", help="jobs of a session")
     job_sub = job.add_subparsers(dest="action", required=True, metavar="ACTION")
     job_list = job_sub.add_parser("list", help="open and retained jobs of a session")
@@ -196,17 +225,43 @@ COMMANDS: Final[dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]]
     "events": _cli_events.run,
     "port": _cli_network.run_port,
     "flow": _cli_network.run_flow,
+    "function": _cli_function.run,
 }
 
 
+def _tls(args: argparse.Namespace) -> TlsConfig | Literal[False] | None:
+    if args.plaintext:
+        return False
+    if args.ca or args.cert or args.key:
+        env = TlsConfig.from_env()
+        ca = args.ca or (env.ca if env else None)
+        if not ca:
+            raise InvalidArgumentError(
+                "INVALID_ARGUMENT", "--cert/--key need --ca (or $DPU_TLS_CA)"
+            )
+        return TlsConfig(
+            ca=ca,
+            cert=args.cert or (env.cert if env else None),
+            key=args.key or (env.key if env else None),
+            server_name=args.server_name or (env.server_name if env else None),
+        )
+    env = TlsConfig.from_env()
+    if env is not None and args.server_name:
+        return dataclasses.replace(env, server_name=args.server_name)
+    return env
+
+
 async def _run(args: argparse.Namespace) -> int:
-    async with Client(args.target, timeout=args.timeout) as client:
+    client = Client(args.target, timeout=args.timeout, tls=_tls(args), token=args.token)
+    async with client:
         return await COMMANDS[args.command](client, args)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `dpuctl`."""
     args = _parser().parse_args(argv)
+    if args.command == "certs":  # local files only: no agent
+        return _cli_certs.run(args)
     try:
         return asyncio.run(_run(args))
     except DpuError as exc:

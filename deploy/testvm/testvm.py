@@ -11,7 +11,8 @@ tests that need them run in a small QEMU guest instead:
   kernel version under ${DPU_TESTVM_CACHE:-${XDG_CACHE_HOME:-~/.cache}/dpu-testvm}.
 * ``run -- CMD ARGS...`` boots that kernel under TCG with the host's ``/`` shared
   read-only over 9p, chroots into it (so the host's own Python and the project's
-  virtualenv run unchanged), loads rdma_rxe, tc, veth, vxlan and NVMe-oF modules,
+  virtualenv run unchanged), loads rdma_rxe, tc, veth, vxlan, NBD and NVMe-oF modules
+  (and mounts configfs),
   creates ``veth0``/``veth1`` and the soft-RoCE device ``rxe0``, runs CMD with the
   checkout as working directory, streams its output, and exits with its exit code.
   ``<checkout>/.testvm/out`` is shared read-write at the same absolute path.
@@ -75,6 +76,9 @@ OPTIONAL_MODULES = (
     "nvme_rdma",
     "nvmet",
     "nvmet_rdma",
+    "nbd",
+    "cls_matchall",
+    "ext4",
 )
 BUSYBOX = Path("/bin/busybox")
 GUEST_TMP = "/tmp"  # noqa: S108 - the guest's own fresh tmpfs
@@ -595,6 +599,7 @@ modprobe -a -q -d "$MODROOT" {mods} 2>/dev/null
 for m in {mods}; do
     [ -d "/sys/module/$m" ] || echo "$m" >> /run/testvm/missing-modules
 done
+mount -t configfs configfs /sys/kernel/config 2>/dev/null  # nvmet's interface
 ip link set lo up
 ip link add veth0 type veth peer name veth1 || fail "cannot create veth0/veth1"
 ip addr add {RXE_ADDR} dev veth0 || fail "cannot address veth0"

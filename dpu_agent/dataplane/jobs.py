@@ -17,8 +17,15 @@ from typing import TYPE_CHECKING, Final
 import crc32c
 
 from dpu_agent import status
+from dpu_agent.auth import DEFAULT_TENANT
 from dpu_agent.dataplane import compute
-from dpu_agent.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from dpu_agent.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
 from dpu_wire import capsule
 from dpu_wire.capsule import VOLUME_KINDS, JobKind, Span, State
 from dpu_wire.transport.base import Access
@@ -67,7 +74,10 @@ class JobRecord:
     destination: Span
     origin: Origin
     deadline: float  # time.monotonic() by which it must finish
-    request_id: str = ""
+    request_id: str = ""  # SubmitJob's idempotency key ("" for capsules)
+    # x-request-id of the RPC that made the job: its SubmitJob, or its session's
+    # OpenSession for capsule jobs ("" when none); completion events carry it
+    rpc_request_id: str = ""
     volume_id: str = ""  # volume kinds: the volume ("" for the others)
     offset: int = 0  # volume kinds: byte offset in the volume
     length: int = 0  # VOLUME_TRIM: bytes to trim
@@ -197,11 +207,17 @@ class JobRunner:
     """
 
     def __init__(
-        self, transport: AgentTransport, pool: StagingPool, store: VolumeStore | None = None
+        self,
+        transport: AgentTransport,
+        pool: StagingPool,
+        store: VolumeStore | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         self._transport = transport
         self._pool = pool
         self._store = store
+        self._tenant = tenant  # volume jobs touch this tenant's volumes only
         self._kinds = {
             JobKind.COPY: self._copy,
             JobKind.CRC32C: self._crc32c,
@@ -231,19 +247,39 @@ class JobRunner:
             raise FailedPrecondition("this agent has no volume store")
         return self._store
 
+    def _owned_volume(self, volume_id: str) -> str:
+        """The volume id, if the volume is the session tenant's (called in the I/O thread).
+
+        Attaching checked the owner already; this catches a volume deleted and made
+        again by another tenant under the same id while a session held its handle.
+        """
+        if self.store.get(volume_id).tenant != self._tenant:
+            raise NotFound(f"volume {volume_id!r} does not exist")
+        return volume_id
+
+    def _write(self, volume_id: str, offset: int, view: memoryview) -> None:
+        self.store.write(self._owned_volume(volume_id), offset, view)
+
+    def _read(self, volume_id: str, offset: int, size: int) -> bytes:
+        return self.store.read(self._owned_volume(volume_id), offset, size)
+
+    def _flush(self, volume_id: str) -> None:
+        self.store.flush(self._owned_volume(volume_id))
+
+    def _trim(self, volume_id: str, offset: int, length: int) -> None:
+        self.store.trim(self._owned_volume(volume_id), offset, length)
+
     async def _volume_write(self, job: JobRecord, buffer: Region) -> None:
         async for offset, view in self._read_all(job, buffer):
-            await asyncio.to_thread(self.store.write, job.volume_id, job.offset + offset, view)
+            await asyncio.to_thread(self._write, job.volume_id, job.offset + offset, view)
         if job.fua:
-            await asyncio.to_thread(self.store.flush, job.volume_id)
+            await asyncio.to_thread(self._flush, job.volume_id)
 
     async def _volume_read(self, job: JobRecord, buffer: Region) -> None:
         dst, out = job.destination, job.progress
         for offset, size in self._chunks(dst.length):
             self._checkpoint(job)
-            data = await asyncio.to_thread(
-                self.store.read, job.volume_id, job.offset + offset, size
-            )
+            data = await asyncio.to_thread(self._read, job.volume_id, job.offset + offset, size)
             buffer.view[:size] = data
             await self._transport.write(buffer, 0, size, dst.addr + offset, dst.rkey)
             out.bytes_written += size
@@ -301,11 +337,11 @@ class JobRunner:
 
     async def _volume_flush(self, job: JobRecord, _buffer: Region) -> None:
         self._checkpoint(job)
-        await asyncio.to_thread(self.store.flush, job.volume_id)
+        await asyncio.to_thread(self._flush, job.volume_id)
 
     async def _volume_trim(self, job: JobRecord, _buffer: Region) -> None:
         self._checkpoint(job)
-        await asyncio.to_thread(self.store.trim, job.volume_id, job.offset, job.length)
+        await asyncio.to_thread(self._trim, job.volume_id, job.offset, job.length)
 
     def _checkpoint(self, job: JobRecord) -> None:
         if job.cancel_requested:

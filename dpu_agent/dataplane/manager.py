@@ -4,11 +4,17 @@ A session stays alive while its host watches it (a WatchCompletions stream, whic
 the SDK keeps open for the session's life). When the last stream ends (host gone,
 network cut) and none comes back within `orphan_timeout`, the session is closed:
 its queue pair is destroyed and its regions forgotten.
+
+Each session belongs to the tenant that opened it; the services check ownership
+(`dpu_agent.auth`). Per tenant, `Quotas.max_sessions` bounds the open sessions and
+`Quotas.max_queue_depth` the sum of their queue depths (jobs in flight); sessions
+being connected count, so concurrent opens cannot slip past a limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -25,6 +31,7 @@ from dpu_agent.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from dpu_agent.quota import Quotas
 from dpu_wire import names
 from dpu_wire.transport.base import TcpAddress, TransportError, VerbsAddress
 from dpu_wire.v1 import agent_pb2
@@ -33,6 +40,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from dpu_agent.dataplane.jobs import JobRecord
+    from dpu_agent.metrics import AgentMetrics
     from dpu_agent.storage import VolumeStore
     from dpu_wire.transport.base import AgentTransport, PeerAddress
 
@@ -40,6 +48,7 @@ log = logging.getLogger(__name__)
 
 TRANSPORT_VERBS: Final = int(agent_pb2.TRANSPORT_VERBS)
 TRANSPORT_TCP: Final = int(agent_pb2.TRANSPORT_TCP)
+MAX_REMEMBERED_OPENS: Final = 4096  # request ids kept for idempotent OpenSession
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,19 +66,26 @@ class ManagerSettings:
 class SessionManager:
     """Owns every session; the gRPC services are thin layers over it."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the manager's parts, metrics by keyword
         self,
         settings: ManagerSettings,
         transports: dict[int, Callable[[int], AgentTransport]],
         on_completion: Callable[[Session, JobRecord], None] | None = None,
         store: VolumeStore | None = None,
+        quotas: Quotas | None = None,
+        *,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.settings = settings
         self._store = store
+        self._metrics = metrics
         self._transports = transports
         self._on_completion = on_completion
+        self._quotas = quotas or Quotas()
         self._sessions: dict[str, Session] = {}
-        self._by_request: dict[str, str] = {}
+        # (tenant, request_id) -> session id, for idempotent open; oldest forgotten first
+        self._by_request: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        self._connecting: list[tuple[str, int]] = []  # (tenant, queue depth) being opened
         self._reaper: asyncio.Task[None] | None = None
         self._draining = False
 
@@ -100,6 +116,8 @@ class SessionManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await asyncio.gather(*(s.close("agent shutting down") for s in self._sessions.values()))
+        for _ in self._sessions:
+            self._closed("shutdown")
         self._sessions.clear()
 
     async def open(  # noqa: PLR0913 - the OpenSession fields
@@ -115,8 +133,9 @@ class SessionManager:
         """Open a session and connect its data plane to the host."""
         if self._draining:
             raise Unavailable("the agent is shutting down and opens no sessions")
-        if request_id and request_id in self._by_request:
-            existing = self._sessions.get(self._by_request[request_id])
+        remembered = (tenant, request_id)
+        if request_id and remembered in self._by_request:
+            existing = self._sessions.get(self._by_request[remembered])
             if existing is not None:
                 return existing
         kind = self._choose_transport(transport, host)
@@ -127,10 +146,41 @@ class SessionManager:
             raise InvalidArgument(
                 f"queue_depth must be 1..{self.settings.max_queue_depth}, not {depth}"
             )
-        if len(self._sessions) >= self.settings.max_sessions:
+        if len(self._sessions) + len(self._connecting) >= self.settings.max_sessions:
             raise ResourceExhausted(
                 f"the agent serves at most {self.settings.max_sessions} sessions"
             )
+        held = [s.queue_depth for s in self._sessions.values() if s.tenant == tenant]
+        held += [d for t, d in self._connecting if t == tenant]
+        self._quotas.check_sessions(tenant, len(held) + 1, sum(held) + depth)
+        reservation = (tenant, depth)
+        self._connecting.append(reservation)
+        try:
+            session = await self._connect(tenant, kind, depth, label, host)
+        finally:
+            self._connecting.remove(reservation)
+        self._sessions[session.session_id] = session
+        if self._metrics is not None:
+            self._metrics.session_opened(kind)
+        if request_id:
+            self._by_request[remembered] = session.session_id
+            while len(self._by_request) > MAX_REMEMBERED_OPENS:
+                self._by_request.popitem(last=False)
+        log.info(
+            "session opened",
+            extra={
+                "session": session.name,
+                "tenant": tenant,
+                "transport": kind,
+                "queue_depth": depth,
+                "label": label,
+            },
+        )
+        return session
+
+    async def _connect(
+        self, tenant: str, kind: int, depth: int, label: str, host: PeerAddress
+    ) -> Session:
         session_id = "s-" + secrets.token_hex(6)
         session = Session(
             session_id,
@@ -145,24 +195,13 @@ class SessionManager:
             ),
             on_completion=self._on_completion,
             store=self._store,
+            metrics=self._metrics,
         )
         try:
             await session.connect(host)
         except TransportError as exc:
             await session.transport.close()
             raise Unavailable(f"cannot connect the data plane to the host: {exc}") from None
-        self._sessions[session_id] = session
-        if request_id:
-            self._by_request[request_id] = session_id
-        log.info(
-            "session opened",
-            extra={
-                "session": session.name,
-                "transport": kind,
-                "queue_depth": depth,
-                "label": label,
-            },
-        )
         return session
 
     def _choose_transport(self, requested: int, host: PeerAddress | None) -> int:
@@ -191,15 +230,22 @@ class SessionManager:
             raise NotFound(f"{name} does not exist")
         return session
 
-    def page(self, page_size: int, page_token: str) -> tuple[list[Session], str]:
-        """One page of sessions in name order, and the next page's token."""
-        return paging.page(self._sessions.values(), lambda s: s.name, page_size, page_token)
+    def page(
+        self,
+        page_size: int,
+        page_token: str,
+        keep: Callable[[Session], bool] = lambda _: True,
+    ) -> tuple[list[Session], str]:
+        """One page of the sessions `keep` accepts, in name order, and the next page's token."""
+        chosen = [s for s in self._sessions.values() if keep(s)]
+        return paging.page(chosen, lambda s: s.name, page_size, page_token)
 
     async def close(self, name: str) -> None:
         """Close and forget a session."""
         session = self.get(name)
         await session.close()
-        self._sessions.pop(session.session_id, None)
+        if self._sessions.pop(session.session_id, None) is not None:
+            self._closed("closed")
         log.info("session closed", extra={"session": name})
 
     async def _reap(self) -> None:
@@ -208,14 +254,22 @@ class SessionManager:
             now = time.monotonic()
             for session in list(self._sessions.values()):
                 since = session.unwatched_since
+                failed = session.state == SessionState.FAILED
                 if since is not None and now - since > self.settings.orphan_timeout:
                     log.warning("closing orphaned session", extra={"session": session.name})
                     await session.close("host gone: no watcher")
-                    self._sessions.pop(session.session_id, None)
-                elif session.state == SessionState.FAILED and since is not None:
+                elif failed and since is not None:
                     await session.close()
-                    self._sessions.pop(session.session_id, None)
+                else:
+                    continue
+                if self._sessions.pop(session.session_id, None) is not None:
+                    # a host that died closed its end of the link: orphaned too
+                    self._closed("failed" if failed and not session.host_gone else "orphaned")
 
     def sessions(self) -> list[Session]:
         """Every session."""
         return list(self._sessions.values())
+
+    def _closed(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.session_closed(reason)

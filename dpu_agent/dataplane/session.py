@@ -20,7 +20,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Final
 
-from dpu_agent import status
+from dpu_agent import request_context, status
 from dpu_agent.dataplane import compute
 from dpu_agent.dataplane.jobs import (
     JobRecord,
@@ -42,17 +42,19 @@ from dpu_agent.errors import (
 )
 from dpu_wire import capsule
 from dpu_wire.capsule import CapsuleError, JobKind, Span, State
-from dpu_wire.transport.base import TransportError
+from dpu_wire.transport.base import PeerClosed, TransportError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
 
+    from dpu_agent.metrics import AgentMetrics
     from dpu_agent.storage import VolumeStore
     from dpu_wire.transport.base import AgentTransport, PeerAddress
 
 log = logging.getLogger(__name__)
 
 WATCHER_BACKLOG: Final = 65536
+MAX_WATCHERS: Final = 16  # WatchCompletions streams per session (the SDK holds one)
 MAX_ATTACHED_VOLUMES: Final = 1024
 MAX_KEYS: Final = 256
 KEYED_KINDS: Final = frozenset({JobKind.ENCRYPT, JobKind.DECRYPT})
@@ -131,8 +133,13 @@ class Session:
         settings: SessionSettings,
         on_completion: Callable[[Session, JobRecord], None] | None = None,
         store: VolumeStore | None = None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.session_id = session_id
+        # made inside OpenSession: its x-request-id, carried by the capsule jobs' events
+        self.open_request_id = request_context.request_id.get()
+        self._metrics = metrics
+        self.host_gone = False  # the data plane failed because the host closed its end
         self.name = f"sessions/{session_id}"
         self.tenant = tenant
         self.label = label
@@ -173,7 +180,7 @@ class Session:
         self._pool = StagingPool(
             self.transport, self.settings.chunk_size, self.settings.queue_depth
         )
-        self._runner = JobRunner(self.transport, self._pool, self._store)
+        self._runner = JobRunner(self.transport, self._pool, self._store, tenant=self.tenant)
         self._capsule_task = asyncio.create_task(self._capsule_loop(), name=f"{self.name}/capsules")
         self.state = SessionState.ACTIVE
 
@@ -193,6 +200,9 @@ class Session:
         log.warning("session failed", extra={"session": self.name, "error": str(exc)})
         self.state = SessionState.FAILED
         self.error = (status.UNAVAILABLE, message)
+        self.host_gone = isinstance(exc, PeerClosed)
+        if self._metrics is not None and not self.host_gone:
+            self._metrics.dataplane_failed(self.transport_kind)
         await self._shutdown(State.FAILED, status.UNAVAILABLE, message)
 
     async def _shutdown(self, state: State, code: int, reason: str) -> None:
@@ -264,6 +274,7 @@ class Session:
             origin=Origin.GRPC,
             deadline=time.monotonic() + (deadline or self.settings.default_deadline),
             request_id=request_id,
+            rpc_request_id=request_context.request_id.get(),
             volume_id=target.volume_id,
             offset=target.offset,
             length=target.length,
@@ -373,6 +384,8 @@ class Session:
         counters.bytes_written += job.progress.bytes_written
         for watcher in self._watchers:
             watcher.put(job)
+        if self._metrics is not None:
+            self._metrics.job_finished(job, self.transport_kind)
         if self._on_completion is not None:
             self._on_completion(self, job)
 
@@ -402,6 +415,8 @@ class Session:
 
     async def _reject(self, job_id: int, code: int, message: str) -> None:
         """Answer a capsule that does not make a job (undecodable, duplicate id)."""
+        if self._metrics is not None:
+            self._metrics.capsule_rejected()
         reply = capsule.Completion(job_id=job_id, state=State.FAILED, status=code, message=message)
         await self.transport.send(reply.encode())
 
@@ -424,6 +439,7 @@ class Session:
             destination=sub.destination,
             origin=Origin.CAPSULE,
             deadline=time.monotonic() + deadline,
+            rpc_request_id=self.open_request_id,
             volume_id=self._volumes.get(sub.handle, ""),
             offset=sub.offset,
             length=sub.length,
@@ -452,19 +468,32 @@ class Session:
 
     # ------------------------------------------------------------------ volumes
     async def attach(self, volume_id: str) -> int:
-        """The handle capsules use for a volume (the same one if already attached)."""
+        """The handle capsules use for a volume (the same one if already attached).
+
+        Only a volume of the session's own tenant attaches; another tenant's answers
+        NotFound, as a missing one does.
+        """
         self._require_active()
         if volume_id in self._handles:
             return self._handles[volume_id]
         if self._store is None:
             raise FailedPrecondition("this agent has no volume store")
-        await asyncio.to_thread(self._store.get, volume_id)  # NotFound if it does not exist
+        info = await asyncio.to_thread(self._store.get, volume_id)  # NotFound if it is missing
+        if info.tenant != self.tenant:
+            raise NotFound(f"volume {volume_id!r} does not exist")
         if len(self._volumes) >= MAX_ATTACHED_VOLUMES:
             raise ResourceExhausted(f"a session attaches at most {MAX_ATTACHED_VOLUMES} volumes")
         handle = next(self._next_handle)
         self._volumes[handle] = volume_id
         self._handles[volume_id] = handle
         return handle
+
+    def check_attached(self, volume_id: str) -> None:
+        """FailedPrecondition unless the volume is attached (jobs name attached volumes only)."""
+        if volume_id not in self._handles:
+            raise FailedPrecondition(
+                f"volumes/{volume_id} is not attached to {self.name} (AttachVolume first)"
+            )
 
     def detach(self, volume_id: str) -> None:
         """Remove a volume's handle from the session."""
@@ -486,6 +515,8 @@ class Session:
     # ------------------------------------------------------------------ watchers
     def watch(self, *, include_retained: bool, origin: Origin | None = None) -> Watcher:
         """A new watcher of finished jobs (ended at once if the session is over)."""
+        if len(self._watchers) >= MAX_WATCHERS:
+            raise ResourceExhausted(f"{self.name} is watched by {MAX_WATCHERS} streams already")
         watcher = Watcher(origin)
         if include_retained:
             for job in self._retained.values():

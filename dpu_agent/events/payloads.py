@@ -48,7 +48,10 @@ reconnection, never a loss while the agent's backlog holds)::
      "bytes_written": 4096,
      "crc32c": 3817498742,                # only for a CRC32C job that SUCCEEDED
      "submit_time": "...", "start_time": "..." or null, "end_time": "...",
-     "request_id": ""}                    # SubmitJob's request id, "" for capsules
+     "request_id": "4f1c..."}             # x-request-id of the RPC that made the job:
+                                          # its SubmitJob, or for a capsule job its
+                                          # session's OpenSession ("" when none); the
+                                          # agent's log lines of that RPC carry it too
 
 Telemetry::
 
@@ -231,7 +234,7 @@ def completion_document(session_id: str, job: JobRecord) -> dict[str, object]:
     document["submit_time"] = rfc3339(c.submit_ns)
     document["start_time"] = rfc3339(c.start_ns)
     document["end_time"] = rfc3339(c.end_ns)
-    document["request_id"] = job.request_id
+    document["request_id"] = job.rpc_request_id
     return document
 
 

@@ -7,6 +7,8 @@ import enum
 import fnmatch
 import ipaddress
 
+from dpu_agent.auth import DEFAULT_TENANT
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -136,7 +138,7 @@ class FlowRule:
 
     `priority` orders rules on a port (lower first, 1..65535 as tc's pref). The
     datapath identifies the rule by (ingress_port, priority): two rules on one port
-    never share a priority.
+    never share a priority. `tenant` owns the rule (see `dpu_agent.auth`).
     """
 
     rule_id: str
@@ -145,6 +147,7 @@ class FlowRule:
     match: FlowMatch
     actions: tuple[Action, ...]
     offload: OffloadPolicy = OffloadPolicy.ANY
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclasses.dataclass(frozen=True)

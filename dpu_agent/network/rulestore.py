@@ -1,4 +1,8 @@
-"""Flow rules on disk: one JSON file, replaced atomically, so rules survive restarts."""
+"""Flow rules on disk: one JSON file, replaced atomically, so rules survive restarts.
+
+Each rule keeps its owning tenant; a file written before tenants existed has none, and
+its rules load as the default tenant's.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Final
 
+from dpu_agent.auth import DEFAULT_TENANT
 from dpu_agent.network import model
 
 if TYPE_CHECKING:
@@ -49,6 +54,7 @@ def to_json(rule: model.FlowRule) -> dict[str, object]:
         "match": match,
         "actions": actions,
         "offload": str(rule.offload),
+        "tenant": rule.tenant,
     }
 
 
@@ -72,6 +78,7 @@ def from_json(data: dict[str, Any]) -> model.FlowRule:
         match=model.FlowMatch(**match),
         actions=tuple(actions),
         offload=model.OffloadPolicy(data["offload"]),
+        tenant=data.get("tenant", DEFAULT_TENANT),  # files saved before tenants: the default
     )
 
 

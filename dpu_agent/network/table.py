@@ -144,9 +144,9 @@ class FlowTable:
             if other is replacing:
                 continue
             if (other.ingress_port, other.priority) == (rule.ingress_port, rule.priority):
-                raise AlreadyExists(
-                    f"flowRules/{other.rule_id} already has priority {rule.priority} "
-                    f"on port {rule.ingress_port}"
+                holder = f"flowRules/{other.rule_id}" if other.tenant == rule.tenant else "a rule"
+                raise AlreadyExists(  # another tenant's rule is not named
+                    f"{holder} already has priority {rule.priority} on port {rule.ingress_port}"
                 )
 
     def _save(self) -> None:

@@ -1,4 +1,9 @@
-"""JobService: the slow path for jobs (SubmitJob) and the completion stream."""
+"""JobService: the slow path for jobs (SubmitJob) and the completion stream.
+
+Jobs live in their session, so they share its owner: another tenant's jobs answer
+NOT_FOUND as missing ones do. A job names regions of its own session only, and
+volumes attached to its session only (AttachVolume checks the volume's tenant).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ from dpu_agent.dataplane.jobs import Origin
 from dpu_agent.dataplane.session import VolumeTarget
 from dpu_agent.errors import InvalidArgument, ResourceExhausted, Unavailable
 from dpu_agent.services import convert
-from dpu_wire import names
+from dpu_agent.services.sessions import owned_session
+from dpu_wire import capsule, names
 from dpu_wire.capsule import JobKind, Span
 from dpu_wire.v1 import job_pb2, job_pb2_grpc
 
@@ -30,11 +36,12 @@ def _span(session: Session, ref: common_pb2.RegionRef, what: str) -> Span:
     return session.regions.span_of(region, ref.offset, ref.length, what)
 
 
-def _volume(name: str, what: str) -> str:
+def _volume(session: Session, name: str, what: str) -> str:
     try:
         (volume_id,) = names.parse_name(name, "volumes")
     except names.InvalidNameError as exc:
         raise InvalidArgument(f"{what}.volume: {exc}") from None
+    session.check_attached(volume_id)
     return volume_id
 
 
@@ -79,24 +86,39 @@ def _job_fields(
         return JobKind.CRC32C, _span(session, spec.crc32c.source, f"{where}.source"), Span(), None
     if kind == "volume_write":
         w = spec.volume_write
-        target = VolumeTarget(_volume(w.volume, where), w.offset, fua=w.fua)
+        target = VolumeTarget(_volume(session, w.volume, where), w.offset, fua=w.fua)
         return JobKind.VOLUME_WRITE, _span(session, w.source, f"{where}.source"), Span(), target
     if kind == "volume_read":
         r = spec.volume_read
-        target = VolumeTarget(_volume(r.volume, where), r.offset)
+        target = VolumeTarget(_volume(session, r.volume, where), r.offset)
         dst = _span(session, r.destination, f"{where}.destination")
         return JobKind.VOLUME_READ, Span(), dst, target
     if kind == "volume_flush":
-        target = VolumeTarget(_volume(spec.volume_flush.volume, where))
+        target = VolumeTarget(_volume(session, spec.volume_flush.volume, where))
         return JobKind.VOLUME_FLUSH, Span(), Span(), target
     if kind == "volume_trim":
         t = spec.volume_trim
-        target = VolumeTarget(_volume(t.volume, where), t.offset, t.length)
+        target = VolumeTarget(_volume(session, t.volume, where), t.offset, t.length)
         return JobKind.VOLUME_TRIM, Span(), Span(), target
     raise InvalidArgument(
         "spec: a job kind is required (copy, crc32c, volume_write, volume_read, "
         "volume_flush, volume_trim, sha256, compress, decompress, encrypt, decrypt)"
     )
+
+
+MAX_DEADLINE_S = capsule.U32_MAX // 1000
+"""The longest deadline a job may ask for: what a SUBMIT capsule can carry (~49 days)."""
+
+
+def _deadline(spec: job_pb2.JobSpec) -> float:
+    """spec.deadline in seconds (0: the agent's default), refused when out of range."""
+    seconds, nanos = spec.deadline.seconds, spec.deadline.nanos
+    if not 0 <= seconds <= MAX_DEADLINE_S or not 0 <= nanos < 1_000_000_000:
+        raise InvalidArgument(
+            f"spec.deadline must be 0 to {MAX_DEADLINE_S} s (nanos 0 to 999999999), "
+            f"not {seconds} s {nanos} ns"
+        )
+    return seconds + nanos / 1e9
 
 
 def _job_id(name: str) -> tuple[str, int]:
@@ -116,7 +138,7 @@ class JobService(job_pb2_grpc.JobServiceServicer):
         self, request: job_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> job_pb2.Job:
         """Queue a job on a session."""
-        session = self._manager.get(request.session)
+        session = owned_session(self._manager, request.session)
         spec = request.spec
         kind_name = spec.WhichOneof("kind") or ""
         parameter = 0
@@ -131,7 +153,7 @@ class JobService(job_pb2_grpc.JobServiceServicer):
             destination,
             volume=volume,
             parameter=parameter,
-            deadline=spec.deadline.ToTimedelta().total_seconds(),
+            deadline=_deadline(spec),
             request_id=request.request_id,
             wait_for_slot=request.wait_for_slot,
         )
@@ -142,14 +164,14 @@ class JobService(job_pb2_grpc.JobServiceServicer):
     ) -> job_pb2.Job:
         """One open or retained job."""
         session_name, job_id = _job_id(request.name)
-        session = self._manager.get(session_name)
+        session = owned_session(self._manager, session_name)
         return convert.job(session, session.job(job_id))
 
     async def ListJobs(
         self, request: job_pb2.ListJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> job_pb2.ListJobsResponse:
         """A page of a session's open and retained jobs, by id."""
-        session = self._manager.get(request.session)
+        session = owned_session(self._manager, request.session)
         jobs = [j for j in session.jobs() if not request.state or int(j.state) == request.state]
         page, token = paging.page(
             jobs, lambda j: f"{j.job_id:020d}", request.page_size, request.page_token
@@ -163,7 +185,7 @@ class JobService(job_pb2_grpc.JobServiceServicer):
     ) -> job_pb2.Job:
         """Ask a job to stop."""
         session_name, job_id = _job_id(request.name)
-        session = self._manager.get(session_name)
+        session = owned_session(self._manager, session_name)
         return convert.job(session, session.cancel(job_id))
 
     async def WatchCompletions(
@@ -172,7 +194,7 @@ class JobService(job_pb2_grpc.JobServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[job_pb2.Completion]:
         """One completion per job of the session, in completion order, until it closes."""
-        session = self._manager.get(request.session)
+        session = owned_session(self._manager, request.session)
         origin = _ORIGINS.get(request.origin)
         watcher = session.watch(include_retained=request.include_retained, origin=origin)
         try:

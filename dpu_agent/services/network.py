@@ -1,4 +1,11 @@
-"""NetworkService: ports and flow rules (a thin gRPC layer over the flow table)."""
+"""NetworkService: ports and flow rules (a thin gRPC layer over the flow table).
+
+Ports are agent-wide: listing them needs the admin role, and so does a rule whose
+ingress port is an uplink (it would see every tenant's traffic). A flow rule belongs
+to the tenant that created it (kept in the rule store); another tenant's rule answers
+NOT_FOUND exactly as a missing one does, and admins see all. `[quota] max_flow_rules`
+bounds the rules of a tenant.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,10 @@ import asyncio
 import ipaddress
 from typing import TYPE_CHECKING, Any, Final
 
-from dpu_agent import paging
+from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument
 from dpu_agent.network import model
+from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import timestamp
 from dpu_wire import names
 from dpu_wire.v1 import network_pb2, network_pb2_grpc
@@ -20,8 +28,8 @@ if TYPE_CHECKING:
 
     from dpu_agent.network.table import FlowTable
 
-DEFAULT_TENANT: Final = "default"
 MIN_INTERVAL_MS: Final = 100
+MAX_WATCHED_RULES: Final = 1000
 _KINDS: Final = {
     model.PortKind.UPLINK: network_pb2.PORT_KIND_UPLINK,
     model.PortKind.REPRESENTOR: network_pb2.PORT_KIND_REPRESENTOR,
@@ -48,6 +56,15 @@ def port_name(name: str, what: str) -> str:
     except names.InvalidNameError as exc:
         raise InvalidArgument(f"{what}: {exc}") from None
     return port
+
+
+def flow_rule_id(name: str, what: str) -> str:
+    """The id in "flowRules/{id}"."""
+    try:
+        (rule,) = names.parse_name(name, "flowRules")
+    except names.InvalidNameError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
+    return rule
 
 
 def _network(text: str, what: str) -> model.IPNetwork | None:
@@ -112,8 +129,8 @@ def action_from(a: network_pb2.FlowAction, where: str) -> model.Action:  # noqa:
     raise InvalidArgument(f"{where}: an action is required")
 
 
-def rule_from(rule_id: str, r: network_pb2.FlowRule) -> model.FlowRule:
-    """The domain rule of a proto rule."""
+def rule_from(rule_id: str, r: network_pb2.FlowRule, tenant: str) -> model.FlowRule:
+    """The domain rule of a proto rule, owned by `tenant`."""
     return model.FlowRule(
         rule_id=rule_id,
         priority=r.priority,
@@ -121,6 +138,7 @@ def rule_from(rule_id: str, r: network_pb2.FlowRule) -> model.FlowRule:
         match=match_from(r.match),
         actions=tuple(action_from(a, f"actions[{i}]") for i, a in enumerate(r.actions)),
         offload=_OFFLOAD_IN[r.offload],
+        tenant=tenant,
     )
 
 
@@ -185,7 +203,7 @@ def rule_to(r: model.FlowRule, counters: model.RuleCounters | None = None) -> ne
         match=_match_to(r.match),
         actions=[_action_to(a) for a in r.actions],
         offload=_OFFLOAD_OUT[r.offload],
-        tenant=DEFAULT_TENANT,
+        tenant=r.tenant,
     )
     if counters is not None:
         out.counters.CopyFrom(counters_to(counters))
@@ -216,20 +234,30 @@ def port_to(p: model.PortInfo) -> network_pb2.Port:
 class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     """Ports and flow rules; the table does the work in a thread."""
 
-    def __init__(self, table: FlowTable) -> None:
+    def __init__(self, table: FlowTable, quotas: Quotas | None = None) -> None:
         self._table = table
+        self._quotas = quotas or Quotas()
+        self._creating = asyncio.Lock()  # the quota check and the create hold together
+
+    async def _owned(self, rule_id: str) -> model.FlowRule:
+        """The rule, if the caller may see it; NotFound as for a missing one otherwise."""
+        rule = await asyncio.to_thread(self._table.get, rule_id)
+        auth.check_owner(rule.tenant, f"flowRules/{rule_id}")  # the table's not-found text
+        return rule
 
     async def ListPorts(
         self, request: network_pb2.ListPortsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> network_pb2.ListPortsResponse:
-        """Every managed port (one page: a DPU has few)."""
+        """Every managed port (one page: a DPU has few). Admin role."""
+        auth.require_admin("listing the ports")
         ports = await asyncio.to_thread(self._table.ports)
         return network_pb2.ListPortsResponse(ports=[port_to(p) for p in ports])
 
     async def GetPort(
         self, request: network_pb2.GetPortRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> network_pb2.Port:
-        """One port."""
+        """One port. Admin role."""
+        auth.require_admin("reading a port")
         wanted = port_name(request.name, "name")
         for port in await asyncio.to_thread(self._table.ports):
             if port.name == wanted:
@@ -241,9 +269,15 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         request: network_pb2.CreateFlowRuleRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> network_pb2.FlowRule:
-        """Validate, program and save a rule."""
-        rule = rule_from(request.flow_rule_id, request.flow_rule)
-        created = await asyncio.to_thread(self._table.create, rule)
+        """Validate, program and save a rule, owned by the caller's tenant."""
+        tenant = auth.tenant()
+        rule = rule_from(request.flow_rule_id, request.flow_rule, tenant)
+        if model.port_kind(rule.ingress_port) == model.PortKind.UPLINK:
+            auth.require_admin(f"a rule on uplink port {rule.ingress_port}")
+        async with self._creating:
+            owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
+            self._quotas.check_flow_rules(tenant, owned + 1)
+            created = await asyncio.to_thread(self._table.create, rule)
         return rule_to(created)
 
     async def GetFlowRule(
@@ -251,7 +285,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     ) -> network_pb2.FlowRule:
         """One rule with its counters."""
         (rule_id,) = names.parse_name(request.name, "flowRules")
-        rule = await asyncio.to_thread(self._table.get, rule_id)
+        rule = await self._owned(rule_id)
         return rule_to(rule, await asyncio.to_thread(self._table.counters, rule_id))
 
     async def ListFlowRules(
@@ -259,11 +293,11 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         request: network_pb2.ListFlowRulesRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> network_pb2.ListFlowRulesResponse:
-        """Rules (on one port) by id, a page at a time."""
+        """The caller's rules (an admin's: all) (on one port) by id, a page at a time."""
+        principal = auth.current_principal()
         port = port_name(request.ingress_port, "ingress_port") if request.ingress_port else None
-        page, token = paging.page(
-            self._table.rules(port), lambda r: r.rule_id, request.page_size, request.page_token
-        )
+        rules = [r for r in self._table.rules(port) if principal.can_see(r.tenant)]
+        page, token = paging.page(rules, lambda r: r.rule_id, request.page_size, request.page_token)
         return network_pb2.ListFlowRulesResponse(
             flow_rules=[rule_to(r) for r in page], next_page_token=token
         )
@@ -279,7 +313,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         if paths - _UPDATABLE:
             bad = ", ".join(sorted(paths - _UPDATABLE))
             raise InvalidArgument(f"update_mask: cannot update {bad} (only {sorted(_UPDATABLE)})")
-        old = await asyncio.to_thread(self._table.get, rule_id)
+        old = await self._owned(rule_id)
         incoming = request.flow_rule
         new = model.FlowRule(
             rule_id=rule_id,
@@ -290,6 +324,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             if "actions" in paths
             else old.actions,
             offload=_OFFLOAD_IN[incoming.offload] if "offload" in paths else old.offload,
+            tenant=old.tenant,
         )
         return rule_to(await asyncio.to_thread(self._table.update, new))
 
@@ -300,6 +335,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     ) -> network_pb2.DeleteFlowRuleResponse:
         """Remove a rule from the datapath."""
         (rule_id,) = names.parse_name(request.name, "flowRules")
+        await self._owned(rule_id)
         await asyncio.to_thread(self._table.delete, rule_id)
         return network_pb2.DeleteFlowRuleResponse()
 
@@ -308,12 +344,18 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         request: network_pb2.WatchFlowCountersRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[network_pb2.FlowCounterUpdate]:
-        """The selected rules' counters every interval, until the client goes."""
-        wanted = [names.parse_name(n, "flowRules")[0] for n in request.names]
+        """The selected rules' counters (default: the caller's) every interval, until it goes."""
+        if len(request.names) > MAX_WATCHED_RULES:
+            raise InvalidArgument(f"names: at most {MAX_WATCHED_RULES} rules per watch")
+        principal = auth.current_principal()
+        wanted = [flow_rule_id(n, f"names[{i}]") for i, n in enumerate(request.names)]
+        for rule_id in wanted:
+            await self._owned(rule_id)
         interval = max(request.interval_ms or 1000, MIN_INTERVAL_MS) / 1000
         await context.send_initial_metadata(())
         while True:
-            ids = wanted or [r.rule_id for r in self._table.rules()]
+            visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
+            ids = wanted or visible[:MAX_WATCHED_RULES]
             for rule_id in ids:
                 counters = await asyncio.to_thread(self._table.counters, rule_id)
                 yield network_pb2.FlowCounterUpdate(

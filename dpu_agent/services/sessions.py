@@ -1,9 +1,16 @@
-"""SessionService: open and close sessions, exchange endpoints, advertise regions."""
+"""SessionService: open and close sessions, exchange endpoints, advertise regions.
+
+A session belongs to the tenant that opened it, and with it its regions, keys,
+attached volumes and jobs. Another tenant's session answers NOT_FOUND exactly as a
+missing one does; admins see and manage every session. A session attaches only
+volumes of its own tenant.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dpu_agent import auth
 from dpu_agent.dataplane.regions import AdvertisedRegion
 from dpu_agent.services import convert
 from dpu_wire import names
@@ -13,8 +20,14 @@ if TYPE_CHECKING:
     import grpc
 
     from dpu_agent.dataplane.manager import SessionManager
+    from dpu_agent.dataplane.session import Session
 
-DEFAULT_TENANT = "default"
+
+def owned_session(manager: SessionManager, name: str) -> Session:
+    """The session `name`, if the caller may see it; NotFound as for a missing one otherwise."""
+    session = manager.get(name)
+    auth.check_owner(session.tenant, name)
+    return session
 
 
 class SessionService(session_pb2_grpc.SessionServiceServicer):
@@ -28,7 +41,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
     ) -> session_pb2.Session:
         """Open a session and connect its data plane."""
         session = await self._manager.open(
-            tenant=DEFAULT_TENANT,
+            tenant=auth.tenant(),
             transport=request.transport,
             queue_depth=request.queue_depth,
             label=request.client_label,
@@ -41,13 +54,16 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         self, request: session_pb2.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> session_pb2.Session:
         """One session."""
-        return convert.session(self._manager.get(request.name))
+        return convert.session(owned_session(self._manager, request.name))
 
     async def ListSessions(
         self, request: session_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> session_pb2.ListSessionsResponse:
-        """A page of sessions."""
-        page, token = self._manager.page(request.page_size, request.page_token)
+        """A page of the caller's sessions (an admin's: every session)."""
+        principal = auth.current_principal()
+        page, token = self._manager.page(
+            request.page_size, request.page_token, lambda s: principal.can_see(s.tenant)
+        )
         return session_pb2.ListSessionsResponse(
             sessions=[convert.session(s) for s in page], next_page_token=token
         )
@@ -56,6 +72,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         self, request: session_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> session_pb2.CloseSessionResponse:
         """Close a session: its jobs are cancelled, its queue pair destroyed."""
+        owned_session(self._manager, request.name)
         await self._manager.close(request.name)
         return session_pb2.CloseSessionResponse()
 
@@ -65,7 +82,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> session_pb2.AdvertiseRegionsResponse:
         """Add host regions to the session, all or none."""
-        session = self._manager.get(request.session)
+        session = owned_session(self._manager, request.session)
         new: list[AdvertisedRegion] = []
         for index, message in enumerate(request.regions):
             new.append(
@@ -93,8 +110,8 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
     async def AttachVolume(
         self, request: session_pb2.AttachVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> session_pb2.VolumeAttachment:
-        """Give a volume a handle for this session's capsules."""
-        session = self._manager.get(request.session)
+        """Give a volume of the session's tenant a handle for this session's jobs."""
+        session = owned_session(self._manager, request.session)
         (volume_id,) = names.parse_name(request.volume, "volumes")
         handle = await session.attach(volume_id)
         return session_pb2.VolumeAttachment(
@@ -105,7 +122,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         self, request: session_pb2.DetachVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> session_pb2.DetachVolumeResponse:
         """Remove a volume's handle from this session."""
-        session = self._manager.get(request.session)
+        session = owned_session(self._manager, request.session)
         (volume_id,) = names.parse_name(request.volume, "volumes")
         session.detach(volume_id)
         return session_pb2.DetachVolumeResponse()
@@ -114,7 +131,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         self, request: session_pb2.RegisterKeyRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> session_pb2.KeyHandle:
         """Keep an AES key for this session's encrypt/decrypt jobs; answer its handle."""
-        session = self._manager.get(request.session)
+        session = owned_session(self._manager, request.session)
         handle = session.register_key(bytes(request.key))
         return session_pb2.KeyHandle(session=session.name, handle=handle)
 
@@ -125,6 +142,6 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
     ) -> session_pb2.WithdrawRegionResponse:
         """Forget a region; jobs naming it afterwards fail."""
         session_id, region_id = names.parse_name(request.name, "sessions", "regions")
-        session = self._manager.get(f"sessions/{session_id}")
+        session = owned_session(self._manager, f"sessions/{session_id}")
         session.regions.remove(region_id)
         return session_pb2.WithdrawRegionResponse()

@@ -22,6 +22,8 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Self
 
+from dpu_agent.auth import DEFAULT_TENANT
+
 if TYPE_CHECKING:
     import builtins
     from types import TracebackType
@@ -33,18 +35,22 @@ class VolumeStore(abc.ABC):
     """Block volumes with per-block data services. A context manager; `close()` twice is fine."""
 
     @abc.abstractmethod
-    def create(
+    def create(  # noqa: PLR0913 - a volume's settings and its owner
         self,
         volume_id: str,
         size_bytes: int,
         block_size: int,
         services: DataServices,
         key: bytes | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> VolumeInfo:
-        """Create a volume that reads as zeros.
+        """Create a volume that reads as zeros, owned by `tenant`.
 
         `key` is the 64-byte AES-XTS-256 key of an encrypted volume; None makes the
-        store generate one. The store keeps the key sealed and never returns it.
+        store generate one. The store keeps the key sealed and never returns it. The
+        owner is kept with the volume (`VolumeInfo.tenant`); the store does not check
+        it, the services do (`dpu_agent.auth`).
         """
 
     @abc.abstractmethod

@@ -35,6 +35,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Final
 
+from dpu_agent.auth import DEFAULT_TENANT
 from dpu_agent.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -237,13 +238,15 @@ class BlockVolumeStore(VolumeStore):
 
     # ------------------------------------------------------------ volumes
 
-    def create(
+    def create(  # noqa: PLR0913 - a volume's settings and its owner
         self,
         volume_id: str,
         size_bytes: int,
         block_size: int,
         services: DataServices,
         key: bytes | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> VolumeInfo:
         """See `VolumeStore.create`."""
         volume_id = check_volume_id(volume_id)
@@ -262,7 +265,7 @@ class BlockVolumeStore(VolumeStore):
             if volume_id in self._volumes:
                 raise AlreadyExists(f"volume {volume_id!r} already exists")
             now = time.time_ns()
-            info = VolumeInfo(volume_id, size_bytes, block_size, services, now, now)
+            info = VolumeInfo(volume_id, size_bytes, block_size, services, now, now, tenant)
             with os_errors():
                 check_fits(size_bytes, self._free_bytes())
                 device = self._create_device(info)
@@ -285,6 +288,7 @@ class BlockVolumeStore(VolumeStore):
                 "crc32c": services.crc32c,
                 "compression": str(services.compression),
                 "encryption": str(services.encryption),
+                "tenant": tenant,
             },
         )
         return info
@@ -343,7 +347,7 @@ class BlockVolumeStore(VolumeStore):
             if vol is None:
                 raise NotFound(f"volume {volume_id!r} does not exist")
             with vol.lock:
-                self._catalog.remove_volume(volume_id)
+                self._forget(vol)
                 vol.deleted = True
                 del self._volumes[volume_id]
                 vol.pending.clear()
@@ -359,6 +363,29 @@ class BlockVolumeStore(VolumeStore):
                         extra={"volume_id": volume_id, "error": exc.strerror},
                     )
         log.info("deleted volume", extra={"volume_id": volume_id})
+
+    def _forget(self, vol: _Volume) -> None:
+        """Remove a volume from the catalog; on a full disk, drop its data first.
+
+        The catalog needs free space even to delete rows (SQLite's WAL grows), so on a
+        full store the delete that would make room could not run. The volume is going
+        away: its data's space is given back first, then the catalog forgets it. Should
+        that fail again, the volume stays listed without its data; a retry deletes it.
+        """
+        volume_id = vol.info.volume_id
+        try:
+            self._catalog.remove_volume(volume_id)
+        except ResourceExhausted:
+            log.warning(
+                "no space to delete the volume; dropping its data first",
+                extra={"volume_id": volume_id},
+            )
+            with os_errors():
+                device = self._device(vol)
+                device.resize(0)  # gives back every block it held, on any filesystem
+                device.resize(vol.info.size_bytes)
+            vol.pending.clear()
+            self._catalog.remove_volume(volume_id)
 
     # ------------------------------------------------------------ I/O
 

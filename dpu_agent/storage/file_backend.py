@@ -4,7 +4,8 @@ Layout of the store directory (mode 0700):
 
     store.lock        held (flock) by the one store that has the directory open
     master.key        32 random bytes, mode 0600: seals the volume keys (see keys.py)
-    catalog.sqlite    volumes and block records; WAL journal, synchronous=FULL
+    catalog.sqlite    volumes (with their owning tenant) and block records; WAL journal,
+                      synchronous=FULL; a version 1 catalog (before tenants) is upgraded
     volumes/<id>.vol  one sparse file per volume, exactly size_bytes long
 
 Block `i` of a volume has the fixed slot `[i * block_size, (i + 1) * block_size)` in
@@ -33,6 +34,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from dpu_agent.auth import DEFAULT_TENANT
 from dpu_agent.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from dpu_agent.storage.blockstore import (
     DEFAULT_MAX_VOLUME_BYTES,
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2  # 2 added volumes.tenant; a version 1 catalog is upgraded on open
 VOLUME_SUFFIX: Final = ".vol"
 
 _FALLOC_FL_KEEP_SIZE: Final = 0x01
@@ -208,7 +210,7 @@ class SqliteCatalog(Catalog):
             raise FailedPrecondition(f"the catalog cannot use WAL (journal_mode is {mode})")
         db.execute("PRAGMA synchronous=FULL")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in {0, SCHEMA_VERSION}:
+        if version not in {0, 1, SCHEMA_VERSION}:
             raise FailedPrecondition(
                 f"the catalog has schema version {version}; this agent knows {SCHEMA_VERSION}"
             )
@@ -219,7 +221,8 @@ class SqliteCatalog(Catalog):
                 " volume_id TEXT PRIMARY KEY, size_bytes INTEGER NOT NULL,"
                 " block_size INTEGER NOT NULL, crc32c INTEGER NOT NULL,"
                 " compression TEXT NOT NULL, encryption TEXT NOT NULL, sealed_key BLOB,"
-                " create_ns INTEGER NOT NULL, update_ns INTEGER NOT NULL)"
+                " create_ns INTEGER NOT NULL, update_ns INTEGER NOT NULL,"
+                f" tenant TEXT NOT NULL DEFAULT '{DEFAULT_TENANT}')"
             )
             db.execute(
                 "CREATE TABLE blocks ("
@@ -229,6 +232,14 @@ class SqliteCatalog(Catalog):
             )
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             db.execute("COMMIT")
+        elif version == 1:  # before tenants: every volume belongs to the default tenant
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(
+                f"ALTER TABLE volumes ADD COLUMN tenant TEXT NOT NULL DEFAULT '{DEFAULT_TENANT}'"
+            )
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            db.execute("COMMIT")
+            log.info("upgraded the volume catalog", extra={"schema_version": SCHEMA_VERSION})
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -255,16 +266,16 @@ class SqliteCatalog(Catalog):
         """See `Catalog.volumes`."""
         rows = self._query(
             "SELECT volume_id, size_bytes, block_size, crc32c, compression, encryption,"
-            " sealed_key, create_ns, update_ns FROM volumes",
+            " sealed_key, create_ns, update_ns, tenant FROM volumes",
             (),
         )
         result = []
-        for vid, size, bs, crc, comp, enc, sealed, create_ns, update_ns in rows:
+        for vid, size, bs, crc, comp, enc, sealed, create_ns, update_ns, tenant in rows:
             try:
                 services = DataServices(bool(crc), Compression(comp), Encryption(enc))
             except ValueError:
                 raise DataCorruption(f"volume {vid!r} has unknown data services") from None
-            info = VolumeInfo(vid, size, bs, services, create_ns, update_ns)
+            info = VolumeInfo(vid, size, bs, services, create_ns, update_ns, tenant)
             result.append(VolumeRow(info, None if sealed is None else bytes(sealed)))
         return result
 
@@ -273,7 +284,7 @@ class SqliteCatalog(Catalog):
         info = row.info
         with self._tx() as db:
             db.execute(
-                "INSERT INTO volumes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO volumes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     info.volume_id,
                     info.size_bytes,
@@ -284,6 +295,7 @@ class SqliteCatalog(Catalog):
                     row.sealed_key,
                     info.create_ns,
                     info.update_ns,
+                    info.tenant,
                 ),
             )
 

@@ -9,6 +9,8 @@ import dataclasses
 import enum
 from typing import Final
 
+from dpu_agent.auth import DEFAULT_TENANT
+
 U64_MASK: Final = (1 << 64) - 1
 
 BLOCK_SIZES: Final = (512, 4096)
@@ -63,6 +65,7 @@ class VolumeInfo:
     services: DataServices
     create_ns: int  # wall clock, ns since the epoch
     update_ns: int  # last change of size or settings
+    tenant: str = DEFAULT_TENANT  # the owner (volumes made before tenants: "default")
 
     @property
     def blocks(self) -> int:

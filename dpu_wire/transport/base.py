@@ -43,6 +43,10 @@ class TransportError(Exception):
     """The data plane failed; the session cannot continue (QP in error, peer gone)."""
 
 
+class PeerClosed(TransportError):
+    """The peer closed its end of the link (its process exited, or it closed the link)."""
+
+
 class RemoteAccessError(TransportError):
     """The peer refused a READ or WRITE: bad rkey, out of bounds or access not granted."""
 

@@ -36,6 +36,7 @@ from dpu_wire.transport.base import (
     CapsuleInbox,
     HostTransport,
     PeerAddress,
+    PeerClosed,
     Region,
     RemoteAccessError,
     TcpAddress,
@@ -119,10 +120,12 @@ class _FramedSocket:
         while got < len(view):
             try:
                 n = await self._loop.sock_recv_into(self.sock, view[got:])
+            except ConnectionResetError as exc:
+                raise PeerClosed(f"tcp data plane reset by the peer: {exc}") from exc
             except OSError as exc:
                 raise TransportError(f"tcp data plane receive failed: {exc}") from exc
             if n == 0:
-                raise TransportError("tcp data plane closed by the peer")
+                raise PeerClosed("tcp data plane closed by the peer")
             got += n
 
     async def discard(self, length: int) -> None:
@@ -318,7 +321,7 @@ class TcpAgentTransport(_Link, AgentTransport):
                 except BaseException:
                     sock.close()
                     raise
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ValueError) as exc:  # ValueError: a name IDNA refuses
             raise TransportError(
                 f"cannot reach the host at {host.host}:{host.port}: {exc}"
             ) from exc

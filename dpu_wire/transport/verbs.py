@@ -374,14 +374,17 @@ class _QueuePair:
             finally:
                 sge.close()  # RecvWR copied it; pyverbs 44 never frees an SGE by itself
             self._qp.post_recv(self._recv_wrs[slot])
-        log.debug("verbs %s port %d: QP %#x in INIT", device, self._port, self._qp.qp_num)
+        # Kept, not read from the QP each time: a destroyed pyverbs QP must not be touched
+        # (its qp_num reads freed memory), and a failed session is still listed.
+        self._address = VerbsAddress(
+            gid=self._gid, qp_num=int(self._qp.qp_num), psn=self._psn, mtu=self._mtu, lid=self._lid
+        )
+        log.debug("verbs %s port %d: QP %#x in INIT", device, self._port, self._address.qp_num)
 
     @property
     def address(self) -> VerbsAddress:
-        """This side's QP as the peer needs it."""
-        return VerbsAddress(
-            gid=self._gid, qp_num=int(self._qp.qp_num), psn=self._psn, mtu=self._mtu, lid=self._lid
-        )
+        """This side's QP as the peer needs it (also after close)."""
+        return self._address
 
     def connect(self, peer: PeerAddress | None) -> None:
         """INIT -> RTR -> RTS towards `peer`, then start taking completions."""
@@ -410,7 +413,7 @@ class _QueuePair:
             self._qp.to_rts(attr)
         except PyverbsError as exc:
             raise TransportError(
-                f"cannot connect QP {self._qp.qp_num:#x} to {peer}: {exc}"
+                f"cannot connect QP {self._address.qp_num:#x} to {peer}: {exc}"
             ) from exc
         self._start_completions()
 

@@ -1,4 +1,9 @@
-"""Fixtures that run the real agent as a separate process on a loopback port."""
+"""Fixtures that run the real agent as a separate process on a loopback port.
+
+`start_agent` serves plaintext on loopback (`[tls] plaintext_loopback`, every caller
+the local admin) unless given a lab PKI (`tests.integration.pki`): then it serves
+mTLS, and clients need `pki.client(tenant)`.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,17 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-START_TIMEOUT = 30.0
+if TYPE_CHECKING:
+    from tests.integration.pki import LabPki
+
+START_TIMEOUT = 120.0  # a hang guard; agents start slowly in the TCG test VM under load
 
 
 @dataclasses.dataclass
@@ -34,6 +45,27 @@ class AgentProcess:
                 entries.append({"raw": line})
         return entries
 
+    def metrics_url(self) -> str:
+        """The agent's Prometheus endpoint, from its "metrics serving" log line."""
+        for entry in self.log_entries():
+            if entry.get("msg") == "metrics serving":
+                return str(entry["url"])
+        raise RuntimeError(f"the agent serves no metrics: {self.log_path.read_text()}")
+
+    def metrics(self) -> dict[str, float]:
+        """Scrape the agent over HTTP: {'dpu_agent_sessions_open{transport="tcp"}': 1.0, ...}.
+
+        Keys are written as in the exposition format, labels sorted by name.
+        """
+        with urllib.request.urlopen(self.metrics_url(), timeout=10) as reply:  # noqa: S310
+            text = reply.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM the agent and return its exit code."""
         if self.proc.poll() is None:
@@ -46,8 +78,12 @@ def start_agent(
     *args: str,
     program: tuple[str, ...] = (sys.executable, "-m", "dpu_agent"),
     env: dict[str, str] | None = None,
+    pki: LabPki | None = None,
 ) -> AgentProcess:
-    """Start an agent process listening on a free loopback port and wait until it serves."""
+    """Start an agent process listening on a free loopback port and wait until it serves.
+
+    Plaintext (the local admin for every caller) unless `pki` is given: then mTLS.
+    """
     ready = tmp_path / f"ready-{time.monotonic_ns()}"
     log_path = tmp_path / f"agent-{time.monotonic_ns()}.log"
     cmd = [*program, "serve", "--listen", "127.0.0.1:0"]
@@ -57,6 +93,9 @@ def start_agent(
         **os.environ,
         "DPU_AGENT_STORAGE_DIR": str(volumes),
         "DPU_AGENT_NETWORK_RULES_FILE": str(volumes) + "-flow-rules.json",
+        "DPU_AGENT_METRICS_LISTEN": "127.0.0.1:0",  # its own /metrics port, logged
+        "DPU_AGENT_VIRT_STATE_FILE": str(volumes) + "-functions.json",
+        **(pki.agent_env() if pki is not None else {"DPU_AGENT_TLS_PLAINTEXT_LOOPBACK": "1"}),
         **(env or {}),
     }
     with log_path.open("wb") as log:

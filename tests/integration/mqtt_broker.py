@@ -7,6 +7,11 @@ port, which is how tests take the broker away and bring it back. With
 `persistence=True` the broker saves retained messages, subscriptions and queued
 messages on SIGTERM and loads them when it starts again (`kill()` loses them).
 
+With `auth` the broker refuses anonymous clients and takes a password file and an ACL
+file (tests/integration/test_mqtt_acl.py uses deploy/mosquitto/dpu.acl itself); with
+`tls` it opens a second listener speaking TLS; `config_text` replaces the generated
+configuration altogether (its listener must be on HOST:port).
+
 The `mosquitto_broker` fixture (function scope) yields a started broker without
 persistence and stops it after the test; it fails the test when mosquitto is not
 installed (Debian package `mosquitto`, listed in deploy/apt-packages.txt).
@@ -15,6 +20,7 @@ installed (Debian package `mosquitto`, listed in deploy/apt-packages.txt).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import getpass
 import shutil
 import signal
@@ -42,6 +48,42 @@ def mosquitto_binary() -> str | None:
     return str(default) if default.exists() else None
 
 
+@dataclasses.dataclass(frozen=True)
+class BrokerAuth:
+    """Log-ins required: a mosquitto password file and ACL file (`allow_anonymous false`)."""
+
+    password_file: Path
+    acl_file: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokerTls:
+    """A second listener on HOST:port speaking TLS with these PEM files.
+
+    With `use_identity_as_username` the client certificate's common name is the user
+    name (no password asked); it implies `require_certificate`.
+    """
+
+    port: int
+    cafile: Path
+    certfile: Path
+    keyfile: Path
+    require_certificate: bool = False
+    use_identity_as_username: bool = False
+
+    def config(self) -> list[str]:
+        """The listener's configuration lines (they must follow the global ones)."""
+        identity = self.use_identity_as_username
+        return [
+            f"listener {self.port} {HOST}",
+            f"cafile {self.cafile}",
+            f"certfile {self.certfile}",
+            f"keyfile {self.keyfile}",
+            f"require_certificate {'true' if self.require_certificate or identity else 'false'}",
+            f"use_identity_as_username {'true' if identity else 'false'}",
+        ]
+
+
 def free_port() -> int:
     """A loopback TCP port nobody listens on now."""
     with socket.socket() as sock:
@@ -59,6 +101,9 @@ class MosquittoBroker:
         port: int | None = None,
         persistence: bool = False,
         extra_config: str = "",
+        auth: BrokerAuth | None = None,
+        tls: BrokerTls | None = None,
+        config_text: str | None = None,
     ) -> None:
         binary = mosquitto_binary()
         if binary is None:
@@ -69,6 +114,9 @@ class MosquittoBroker:
         self.port = port or free_port()
         self.persistence = persistence
         self.extra_config = extra_config
+        self.auth = auth
+        self.tls = tls
+        self.config_text = config_text
         self.config_path = workdir / "mosquitto.conf"
         self.log_path = workdir / "mosquitto.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -76,9 +124,19 @@ class MosquittoBroker:
 
     def config(self) -> str:
         """The broker's configuration text."""
+        if self.config_text is not None:
+            return self.config_text
+        if self.auth is None:
+            access = ["allow_anonymous true"]
+        else:
+            access = [
+                "allow_anonymous false",
+                f"password_file {self.auth.password_file}",
+                f"acl_file {self.auth.acl_file}",
+            ]
         lines = [
             f"listener {self.port} {HOST}",
-            "allow_anonymous true",
+            *access,
             f"persistence {'true' if self.persistence else 'false'}",
             f"persistence_location {self.workdir}/",
             "autosave_interval 0",
@@ -95,6 +153,7 @@ class MosquittoBroker:
             "log_type information",
             "connection_messages true",
             self.extra_config,
+            *(self.tls.config() if self.tls is not None else []),
         ]
         return "\n".join(lines) + "\n"
 
@@ -153,13 +212,19 @@ class MosquittoBroker:
 
 
 @contextlib.contextmanager
-def running_broker(workdir: Path, *, persistence: bool = False) -> Iterator[MosquittoBroker]:
+def running_broker(
+    workdir: Path,
+    *,
+    persistence: bool = False,
+    auth: BrokerAuth | None = None,
+    tls: BrokerTls | None = None,
+) -> Iterator[MosquittoBroker]:
     """A started broker, stopped on exit; fails the test if mosquitto is missing."""
     if mosquitto_binary() is None:
         pytest.fail(
             "mosquitto is not installed: `make venv` installs it (Debian package mosquitto)"
         )
-    broker = MosquittoBroker(workdir, persistence=persistence)
+    broker = MosquittoBroker(workdir, persistence=persistence, auth=auth, tls=tls)
     broker.start()
     try:
         yield broker

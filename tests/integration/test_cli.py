@@ -89,7 +89,7 @@ def test_help_texts_list_commands_and_environment():
 
 
 def test_agent_refuses_a_busy_port_clearly(agent):
-    proc = run("dpu-agent", "serve", "--listen", agent.address, timeout=60)
+    proc = run("dpu-agent", "serve", "--plaintext-loopback", "--listen", agent.address)
     assert proc.returncode == 1
     assert f"cannot listen on {agent.address}" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -86,6 +86,21 @@ def test_cli_reports_malformed_config_without_traceback(tmp_path):
 
 
 def test_cli_check_config_prints_merged_settings(tmp_path):
+    path = write(tmp_path, '[agent]\nid = "dpu-7"\n[tls]\nplaintext_loopback = true\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpu_agent", "check-config", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("DPU_AGENT_")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "agent_id = 'dpu-7'" in proc.stdout
+    assert "# security: plaintext on loopback; every caller is the local admin" in proc.stdout
+
+
+def test_cli_check_config_refuses_what_serve_would_refuse(tmp_path):
     path = write(tmp_path, '[agent]\nid = "dpu-7"\n')
     proc = subprocess.run(
         [sys.executable, "-m", "dpu_agent", "check-config", "--config", str(path)],
@@ -93,9 +108,10 @@ def test_cli_check_config_prints_merged_settings(tmp_path):
         text=True,
         timeout=60,
         check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("DPU_AGENT_")},
     )
-    assert proc.returncode == 0, proc.stderr
-    assert "agent_id = 'dpu-7'" in proc.stdout
+    assert proc.returncode == 2
+    assert "configuration error: no TLS is configured" in proc.stderr
 
 
 def test_every_setting_has_a_file_key_and_an_environment_variable():
@@ -139,7 +155,11 @@ def test_cli_reports_verbs_without_a_device_clearly():
         text=True,
         timeout=60,
         check=False,
-        env={**os.environ, "DPU_AGENT_TRANSPORTS": "verbs"},
+        env={
+            **os.environ,
+            "DPU_AGENT_TRANSPORTS": "verbs",
+            "DPU_AGENT_TLS_PLAINTEXT_LOOPBACK": "1",
+        },
     )
     assert proc.returncode == 2
     assert "configuration error: dataplane.transports names verbs" in proc.stderr

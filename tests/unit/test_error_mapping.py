@@ -42,6 +42,7 @@ def test_agent_statuses_round_trip_to_sdk_errors():
         grpc.StatusCode.FAILED_PRECONDITION: host_client.FailedPreconditionError,
         grpc.StatusCode.RESOURCE_EXHAUSTED: host_client.ResourceExhaustedError,
         grpc.StatusCode.PERMISSION_DENIED: host_client.PermissionDeniedError,
+        grpc.StatusCode.UNAUTHENTICATED: host_client.PermissionDeniedError,
         grpc.StatusCode.UNAVAILABLE: host_client.UnavailableError,
         grpc.StatusCode.DEADLINE_EXCEEDED: host_client.DeadlineExceededError,
         grpc.StatusCode.CANCELLED: host_client.CancelledError,

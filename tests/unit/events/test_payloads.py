@@ -26,6 +26,7 @@ def finished_job(
     result=0,
     request_id="",
     origin=Origin.CAPSULE,
+    rpc_request_id="",
 ):
     job = JobRecord(
         job_id=job_id,
@@ -35,6 +36,7 @@ def finished_job(
         origin=origin,
         deadline=0.0,
         request_id=request_id,
+        rpc_request_id=rpc_request_id,
         submit_ns=T0,
     )
     if started:
@@ -172,8 +174,14 @@ def test_sdk_refuses_what_is_not_rfc3339(text):
             {"state": "CANCELLED", "start_time": None},
         ),
         (
-            finished_job(job_id=2**63, origin=Origin.GRPC, request_id="req-1"),
+            finished_job(
+                job_id=2**63, origin=Origin.GRPC, request_id="key-1", rpc_request_id="req-1"
+            ),
             {"job_id": 2**63, "origin": "grpc", "request_id": "req-1"},
+        ),
+        (
+            finished_job(request_id="", rpc_request_id="open-1"),
+            {"origin": "capsule", "request_id": "open-1"},
         ),
     ],
 )
@@ -210,7 +218,7 @@ def test_completion_of_an_unfinished_job_is_refused():
         finished_job(kind=JobKind.CRC32C, result=123),
         finished_job(state=State.FAILED, code=4, message="deadline é"),
         finished_job(state=State.CANCELLED, code=1, started=False),
-        finished_job(job_id=2**64 - 1, origin=Origin.GRPC, request_id="r"),
+        finished_job(job_id=2**64 - 1, origin=Origin.GRPC, rpc_request_id="r"),
     ],
 )
 def test_sdk_reads_back_what_the_agent_writes(job):
@@ -222,7 +230,7 @@ def test_sdk_reads_back_what_the_agent_writes(job):
     assert event.job_id == job.job_id
     assert event.kind == job.kind.name
     assert event.origin == job.origin.value
-    assert event.request_id == job.request_id
+    assert event.request_id == job.rpc_request_id
     got = event.completion
     assert got.state == State(c.state).name
     assert got.code == {0: "OK", 1: "CANCELLED", 4: "DEADLINE_EXCEEDED"}[c.status]

@@ -11,6 +11,7 @@ def test_all_names_exist_and_nothing_public_is_missing():
         "blockstore",
         "dataservices",
         "errors",
+        "exports",
         "factory",
         "file_backend",
         "keys",

@@ -1,0 +1,129 @@
+"""Volumes a block function exports to the host, and a store that keeps others off them.
+
+While a block function exposes a volume as a block device, the host's filesystem owns
+its blocks: any other writer (or reader, whose view would be stale against the host's
+page cache) would corrupt or misread it. `VolumeExports` records which function holds
+which volume; `GuardedVolumeStore` is the store every other user (the storage service,
+data-plane sessions) goes through, and it refuses I/O, resize and delete of an
+exported volume with FailedPrecondition naming the function. The export itself uses
+the unguarded store.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from dpu_agent.auth import DEFAULT_TENANT
+from dpu_agent.errors import FailedPrecondition
+from dpu_agent.storage.backend import VolumeStore
+
+if TYPE_CHECKING:
+    import builtins
+
+    from dpu_agent.storage.types import DataServices, VolumeInfo, VolumeStats
+
+
+class VolumeExports:
+    """volume id -> the function that exports it. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[str, str] = {}
+
+    def claim(self, volume_id: str, holder: str) -> None:
+        """Give `holder` the volume; FailedPrecondition if another holder has it."""
+        with self._lock:
+            current = self._holders.get(volume_id)
+            if current is not None and current != holder:
+                raise FailedPrecondition(f"volume {volume_id!r} is already exported by {current}")
+            self._holders[volume_id] = holder
+
+    def release(self, volume_id: str, holder: str) -> None:
+        """Take the volume back from `holder` (no error if it does not hold it)."""
+        with self._lock:
+            if self._holders.get(volume_id) == holder:
+                del self._holders[volume_id]
+
+    def holder(self, volume_id: str) -> str | None:
+        """Who exports the volume, or None."""
+        with self._lock:
+            return self._holders.get(volume_id)
+
+    def check_free(self, volume_id: str, action: str) -> None:
+        """FailedPrecondition if the volume is exported."""
+        holder = self.holder(volume_id)
+        if holder is not None:
+            raise FailedPrecondition(
+                f"cannot {action} volume {volume_id!r}: it is exported to the host by {holder}"
+                " (delete the function first)"
+            )
+
+
+class GuardedVolumeStore(VolumeStore):
+    """A volume store that refuses to touch exported volumes; everything else passes through."""
+
+    def __init__(self, inner: VolumeStore, exports: VolumeExports) -> None:
+        self.inner = inner
+        self.exports = exports
+
+    def create(  # noqa: PLR0913 - a volume's settings and its owner
+        self,
+        volume_id: str,
+        size_bytes: int,
+        block_size: int,
+        services: DataServices,
+        key: bytes | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
+    ) -> VolumeInfo:
+        """See `VolumeStore.create`."""
+        return self.inner.create(volume_id, size_bytes, block_size, services, key, tenant=tenant)
+
+    def get(self, volume_id: str) -> VolumeInfo:
+        """See `VolumeStore.get`."""
+        return self.inner.get(volume_id)
+
+    def list(self) -> builtins.list[VolumeInfo]:
+        """See `VolumeStore.list`."""
+        return self.inner.list()
+
+    def resize(self, volume_id: str, size_bytes: int, *, force: bool = False) -> VolumeInfo:
+        """See `VolumeStore.resize`; refused while exported."""
+        self.exports.check_free(volume_id, "resize")
+        return self.inner.resize(volume_id, size_bytes, force=force)
+
+    def delete(self, volume_id: str) -> None:
+        """See `VolumeStore.delete`; refused while exported."""
+        self.exports.check_free(volume_id, "delete")
+        self.inner.delete(volume_id)
+
+    def read(self, volume_id: str, offset: int, length: int) -> bytes:
+        """See `VolumeStore.read`; refused while exported."""
+        self.exports.check_free(volume_id, "read")
+        return self.inner.read(volume_id, offset, length)
+
+    def write(
+        self, volume_id: str, offset: int, data: bytes | memoryview, *, fua: bool = False
+    ) -> None:
+        """See `VolumeStore.write`; refused while exported."""
+        self.exports.check_free(volume_id, "write")
+        self.inner.write(volume_id, offset, data, fua=fua)
+
+    def flush(self, volume_id: str) -> None:
+        """See `VolumeStore.flush`; refused while exported."""
+        self.exports.check_free(volume_id, "flush")
+        self.inner.flush(volume_id)
+
+    def trim(self, volume_id: str, offset: int, length: int) -> None:
+        """See `VolumeStore.trim`; refused while exported."""
+        self.exports.check_free(volume_id, "trim")
+        self.inner.trim(volume_id, offset, length)
+
+    def stats(self, volume_id: str) -> VolumeStats:
+        """See `VolumeStore.stats`."""
+        return self.inner.stats(volume_id)
+
+    def close(self) -> None:
+        """Close the store underneath."""
+        self.inner.close()

@@ -1,0 +1,295 @@
+"""The function manager: records, transactions and the checks around the backend.
+
+Life of a create:
+
+1. checks: the id is new, the spec is valid, a block function's volume exists and no
+   other function exports it;
+2. the record is saved as CREATING (so a crash from here on is recoverable);
+3. the backend makes the function, all or nothing;
+4. the record is saved as READY with what was made.
+
+Any failure in steps 2 to 4 undoes the steps before it (the backend's own rollback, then the
+export claim and the record), so nothing half-made remains. After a crash, `start()`
+finds CREATING and DELETING records and asks the backend to remove whatever is left
+of them by the function id.
+
+A delete is refused with FailedPrecondition while a flow rule names the function's
+representor port (as its ingress port or in an action) or while the backend reports
+the function busy (its block device mounted on the host side).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from dpu_agent.errors import AgentError, AlreadyExists, FailedPrecondition, NotFound
+from dpu_agent.network.model import Forward, Mirror
+from dpu_agent.virtualization.model import (
+    MUTABLE_FIELDS,
+    FunctionRecord,
+    FunctionSpec,
+    FunctionState,
+    Provisioned,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from dpu_agent.network.model import FlowRule
+    from dpu_agent.storage.backend import VolumeStore
+    from dpu_agent.storage.exports import VolumeExports
+    from dpu_agent.virtualization.backend import FunctionBackend
+    from dpu_agent.virtualization.store import FunctionStore
+
+log = logging.getLogger(__name__)
+
+MAX_FUNCTIONS = 1024
+
+
+def holder_name(function_id: str) -> str:
+    """How an exported volume names its function."""
+    return f"functions/{function_id}"
+
+
+def rules_on_port(rules: list[FlowRule], port: str) -> list[str]:
+    """Ids of the rules that match on `port` or send packets to it."""
+    return [
+        r.rule_id
+        for r in rules
+        if r.ingress_port == port
+        or any(isinstance(a, Forward | Mirror) and a.port == port for a in r.actions)
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What `start()` found: functions kept, restored, cleaned up, or failed."""
+
+    kept: tuple[str, ...] = ()
+    restored: tuple[str, ...] = ()
+    cleaned: tuple[str, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+
+
+class FunctionManager:
+    """Functions by id, backed by a backend and a record store. Thread-safe."""
+
+    def __init__(  # noqa: PLR0913 - the manager's collaborators, injected
+        self,
+        backend: FunctionBackend,
+        store: FunctionStore,
+        *,
+        volumes: VolumeStore | None = None,
+        exports: VolumeExports | None = None,
+        flow_rules: Callable[[], list[FlowRule]] | None = None,
+        max_functions: int = MAX_FUNCTIONS,
+    ) -> None:
+        self.backend = backend
+        self._store = store
+        self._volumes = volumes
+        self._exports = exports
+        self._flow_rules = flow_rules or list
+        self._max = max_functions
+        self._records: dict[str, FunctionRecord] = {}
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> Recovery:
+        """Load the saved records and bring the backend in line with them."""
+        kept, restored, cleaned, failed = [], [], [], []
+        with self._lock:
+            for record in self._store.load():
+                spec = record.spec
+                made = record.provisioned or Provisioned("", "")
+                if record.state in {FunctionState.CREATING, FunctionState.DELETING}:
+                    try:
+                        self.backend.delete(spec, made)
+                        cleaned.append(spec.function_id)
+                    except AgentError as exc:
+                        failed.append((spec.function_id, str(exc)))
+                        self._records[spec.function_id] = self._with(record, FunctionState.FAILED)
+                    continue
+                self._records[spec.function_id] = record
+                if spec.type.is_block and self._exports is not None:
+                    self._exports.claim(spec.volume_id, holder_name(spec.function_id))
+                if record.state is not FunctionState.READY:
+                    continue
+                try:
+                    if self.backend.present(spec, made):
+                        made2 = self.backend.restore(spec, made)
+                        if made2 != made:
+                            self._records[spec.function_id] = dataclasses.replace(
+                                record, provisioned=made2
+                            )
+                            restored.append(spec.function_id)
+                        else:
+                            kept.append(spec.function_id)
+                    else:
+                        made2 = self.backend.create(spec)
+                        self._records[spec.function_id] = dataclasses.replace(
+                            record, provisioned=made2
+                        )
+                        restored.append(spec.function_id)
+                except AgentError as exc:
+                    failed.append((spec.function_id, str(exc)))
+                    self._records[spec.function_id] = self._with(record, FunctionState.FAILED)
+                    log.warning(
+                        "cannot restore function",
+                        extra={"function": spec.function_id, "error": str(exc)},
+                    )
+            self._save()
+        return Recovery(tuple(kept), tuple(restored), tuple(cleaned), tuple(failed))
+
+    # ------------------------------------------------------------------ reads
+    def get(self, function_id: str) -> FunctionRecord:
+        """One function."""
+        with self._lock:
+            return self._get(function_id)
+
+    def list(self) -> list[FunctionRecord]:
+        """Every function, by id."""
+        with self._lock:
+            return [self._records[k] for k in sorted(self._records)]
+
+    def by_port(self, port: str) -> FunctionRecord | None:
+        """The function whose representor is `port`, if any."""
+        with self._lock:
+            for record in self._records.values():
+                if record.provisioned and record.provisioned.representor_port == port:
+                    return record
+        return None
+
+    # ------------------------------------------------------------------ create
+    def create(self, spec: FunctionSpec) -> FunctionRecord:
+        """Make a function, all of it or nothing."""
+        with self._lock:
+            if spec.function_id in self._records:
+                raise AlreadyExists(f"functions/{spec.function_id} already exists")
+            if len(self._records) >= self._max:
+                raise FailedPrecondition(f"this agent manages at most {self._max} functions")
+            claimed = self._claim_volume(spec)
+            now = time.time_ns()
+            record = FunctionRecord(spec, None, FunctionState.CREATING, now, now)
+            try:
+                self._records[spec.function_id] = record
+                self._save()
+                made = self.backend.create(spec)
+            except BaseException:
+                self._records.pop(spec.function_id, None)
+                if claimed:
+                    self._release_volume(spec)
+                self._save_quietly()
+                raise
+            record = FunctionRecord(spec, made, FunctionState.READY, now, time.time_ns())
+            self._records[spec.function_id] = record
+            try:
+                self._save()
+            except BaseException:
+                self.backend.delete(spec, made)
+                self._records.pop(spec.function_id, None)
+                if claimed:
+                    self._release_volume(spec)
+                raise
+            log.info(
+                "function created",
+                extra={
+                    "function": spec.function_id,
+                    "type": str(spec.type),
+                    "port": made.representor_port,
+                    "device": made.host_device,
+                },
+            )
+            return record
+
+    def _claim_volume(self, spec: FunctionSpec) -> bool:
+        if not spec.type.is_block:
+            return False
+        if self._volumes is None:
+            raise FailedPrecondition("this agent has no volume store")
+        self._volumes.get(spec.volume_id)  # NotFound if it does not exist
+        if self._exports is not None:
+            self._exports.claim(spec.volume_id, holder_name(spec.function_id))
+            return True
+        return False
+
+    def _release_volume(self, spec: FunctionSpec) -> None:
+        if self._exports is not None:
+            self._exports.release(spec.volume_id, holder_name(spec.function_id))
+
+    # ------------------------------------------------------------------ update
+    def update(self, function_id: str, changes: Mapping[str, object]) -> FunctionRecord:
+        """Change mutable fields; if the backend refuses, the function stays as it was."""
+        with self._lock:
+            record = self._get(function_id)
+            unknown = set(changes) - MUTABLE_FIELDS
+            if unknown:
+                fields = ", ".join(sorted(unknown))
+                raise FailedPrecondition(f"cannot change {fields} of a function")
+            if record.state is not FunctionState.READY or record.provisioned is None:
+                raise FailedPrecondition(f"functions/{function_id} is {record.state}, not ready")
+            new = dataclasses.replace(record.spec, **changes)  # type: ignore[arg-type]
+            if new == record.spec:
+                return record
+            made = self.backend.update(record.spec, new, record.provisioned)
+            updated = FunctionRecord(new, made, record.state, record.created_ns, time.time_ns())
+            self._records[function_id] = updated
+            self._save()
+            return updated
+
+    # ------------------------------------------------------------------ delete
+    def delete(self, function_id: str) -> None:
+        """Remove a function; refused while a flow rule or a mounted filesystem uses it."""
+        with self._lock:
+            record = self._get(function_id)
+            spec, made = record.spec, record.provisioned or Provisioned("", "")
+            if made.representor_port:
+                users = rules_on_port(self._flow_rules(), made.representor_port)
+                if users:
+                    raise FailedPrecondition(
+                        f"functions/{function_id}: its port {made.representor_port} is used by "
+                        f"flow rule(s) {', '.join(users[:5])}; delete them first"
+                    )
+            reason = self.backend.busy(spec, made)
+            if reason:
+                raise FailedPrecondition(f"functions/{function_id} is in use: {reason}")
+            self._records[function_id] = self._with(record, FunctionState.DELETING)
+            self._save()
+            try:
+                self.backend.delete(spec, made)
+            except BaseException:
+                self._records[function_id] = self._with(record, FunctionState.FAILED)
+                self._save_quietly()
+                raise
+            del self._records[function_id]
+            if spec.type.is_block:
+                self._release_volume(spec)
+            self._save()
+            log.info("function deleted", extra={"function": function_id})
+
+    def close(self) -> None:
+        """Release the backend (exports served by this process end)."""
+        self.backend.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _get(self, function_id: str) -> FunctionRecord:
+        record = self._records.get(function_id)
+        if record is None:
+            raise NotFound(f"functions/{function_id} does not exist")
+        return record
+
+    @staticmethod
+    def _with(record: FunctionRecord, state: FunctionState) -> FunctionRecord:
+        return dataclasses.replace(record, state=state, updated_ns=time.time_ns())
+
+    def _save(self) -> None:
+        self._store.save(list(self._records.values()))
+
+    def _save_quietly(self) -> None:
+        try:
+            self._save()
+        except OSError as exc:
+            log.warning("cannot save function records", extra={"error": str(exc)})

@@ -1,0 +1,596 @@
+"""mTLS, tenants, ownership, admin-only calls and quotas, against a real agent process.
+
+Every client here talks real gRPC over TLS (client certificates from a lab PKI made
+with `dpuctl certs`' code); tenant B's attempts on tenant A's resources must answer
+exactly as for resources that do not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import crc32c
+import grpc
+import pytest
+
+import host_client
+from dpu_wire.capsule import JobKind, Span
+from dpu_wire.v1 import job_pb2, network_pb2, session_pb2
+from tests.integration.conftest import start_agent
+from tests.integration.pki import LabPki, make_pki
+
+BIN = Path(sys.executable).parent
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> LabPki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def tls_agent(tmp_path_factory, pki):
+    agent = start_agent(
+        tmp_path_factory.mktemp("tls-agent"),
+        pki=pki,
+        env={"DPU_AGENT_NETWORK_BACKEND": "memory"},
+    )
+    yield agent
+    assert agent.terminate() == 0, agent.log_path.read_text()
+
+
+def tenant(agent, pki, name, *, admin=False, timeout=10.0):
+    return host_client.Client(agent.address, tls=pki.client(name, admin=admin), timeout=timeout)
+
+
+def same_answer(theirs: host_client.DpuError, missing: host_client.DpuError, a: str, b: str):
+    """The two errors are the same code and message, but for the names in them."""
+    assert theirs.code == missing.code == "NOT_FOUND"
+    assert theirs.message.replace(a, "X") == missing.message.replace(b, "X")
+
+
+# ------------------------------------------------------------------ the transport
+
+
+@pytest.mark.asyncio
+async def test_a_client_certificate_names_the_tenant(tls_agent, pki):
+    async with tenant(tls_agent, pki, "tenant-a") as a:
+        assert (await a.agent_info()).name.startswith("agents/")
+        async with await a.open_session(transport="tcp", queue_depth=4) as session:
+            assert (await a.get_session(session.name)).tenant == "tenant-a"
+        volume = await a.create_volume("who-owns-me", MiB)
+        assert volume.tenant == "tenant-a"
+    access = [e for e in tls_agent.log_entries() if e.get("msg") == "rpc"]
+    assert any(e.get("tenant") == "tenant-a" for e in access)
+
+
+@pytest.mark.asyncio
+async def test_without_a_client_certificate_the_handshake_fails(tls_agent, pki):
+    no_cert = host_client.TlsConfig(ca=pki.ca)
+    async with host_client.Client(tls_agent.address, tls=no_cert, timeout=5) as client:
+        with pytest.raises(host_client.UnavailableError):
+            await client.agent_info()
+
+
+@pytest.mark.asyncio
+async def test_a_certificate_from_another_ca_is_refused(tls_agent, pki, tmp_path):
+    other = make_pki(tmp_path / "other")
+    foreign = other.client("tenant-a")  # same tenant name, wrong CA
+    mixed = host_client.TlsConfig(ca=pki.ca, cert=foreign.cert, key=foreign.key)
+    async with host_client.Client(tls_agent.address, tls=mixed, timeout=5) as client:
+        with pytest.raises(host_client.UnavailableError):
+            await client.agent_info()
+
+
+@pytest.mark.asyncio
+async def test_plaintext_to_a_tls_agent_fails(tls_agent):
+    async with host_client.Client(tls_agent.address, tls=False, timeout=5) as client:
+        with pytest.raises(host_client.UnavailableError):
+            await client.health()
+
+
+def serve(*args, env=None):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DPU_AGENT_TLS_")}
+    return subprocess.run(
+        [str(BIN / "dpu-agent"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config"])
+def test_no_tls_on_a_non_loopback_address_refuses_to_start(command, tmp_path):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('[agent]\nlisten = "0.0.0.0:0"\n[tls]\nplaintext_loopback = true\n')
+    proc = serve(command, "--config", str(cfg))
+    assert proc.returncode == 2, proc.stderr
+    assert "listens on 0.0.0.0:0, not loopback, and no TLS is configured" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_plaintext_must_be_asked_for_even_on_loopback(tmp_path):
+    proc = serve("serve", "--listen", "127.0.0.1:0", env={"DPU_AGENT_STORAGE_DIR": str(tmp_path)})
+    assert proc.returncode == 2
+    assert "no TLS is configured" in proc.stderr
+    assert "plaintext_loopback" in proc.stderr
+
+
+def test_a_readable_key_is_refused(pki, tmp_path):
+    key = tmp_path / "agent.key"
+    key.write_bytes((pki.directory / "agent.key").read_bytes())
+    key.chmod(0o644)
+    env = {**pki.agent_env(), "DPU_AGENT_TLS_KEY": str(key)}
+    proc = serve("check-config", env=env)
+    assert proc.returncode == 2
+    assert "may be read by group or others" in proc.stderr
+
+
+@pytest.mark.asyncio
+async def test_mtls_on_every_interface(tmp_path, pki):
+    agent = start_agent(tmp_path, "--listen", "0.0.0.0:0", pki=pki)
+    try:
+        port = agent.address.rpartition(":")[2]
+        async with host_client.Client(f"127.0.0.1:{port}", tls=pki.client("tenant-a")) as a:
+            assert await a.health() == "SERVING"
+        async with host_client.Client(f"127.0.0.1:{port}", tls=False, timeout=5) as plain:
+            with pytest.raises(host_client.UnavailableError):
+                await plain.health()
+    finally:
+        assert agent.terminate() == 0
+
+
+# ------------------------------------------------------------------ volumes
+
+
+@pytest.mark.asyncio
+async def test_a_tenant_cannot_touch_another_tenants_volumes(tls_agent, pki):
+    async with (
+        tenant(tls_agent, pki, "tenant-a") as a,
+        tenant(tls_agent, pki, "tenant-b") as b,
+        tenant(tls_agent, pki, "ops", admin=True) as admin,
+    ):
+        await a.create_volume("a-vol", 2 * MiB)
+        await b.create_volume("b-vol", MiB)
+        for call in (
+            lambda c, n: c.get_volume(n),
+            lambda c, n: c.delete_volume(n),
+            lambda c, n: c.resize_volume(n, 4 * MiB),
+        ):
+            with pytest.raises(host_client.NotFoundError) as theirs:
+                await call(b, "volumes/a-vol")
+            with pytest.raises(host_client.NotFoundError) as missing:
+                await call(b, "volumes/no-vol")
+            same_answer(theirs.value, missing.value, "a-vol", "no-vol")
+        assert [v.name for v in await b.list_volumes()] == ["volumes/b-vol"]
+        assert "volumes/a-vol" not in [v.name for v in await b.list_volumes()]
+        async with await b.open_session(transport="tcp", queue_depth=2) as session:
+            with pytest.raises(host_client.NotFoundError):
+                await session.attach("volumes/a-vol")
+            assert await session.attach("volumes/b-vol") > 0
+        # A's volume is untouched, and the admin sees both with their owners
+        assert (await a.get_volume("volumes/a-vol")).size_bytes == 2 * MiB
+        owners = {v.name: v.tenant for v in await admin.list_volumes()}
+        assert owners["volumes/a-vol"] == "tenant-a"
+        assert owners["volumes/b-vol"] == "tenant-b"
+        assert (await admin.get_volume("volumes/a-vol")).tenant == "tenant-a"
+        # ids are agent-wide: B cannot take A's id (the one thing that tells it is taken)
+        with pytest.raises(host_client.AlreadyExistsError):
+            await b.create_volume("a-vol", MiB)
+
+
+# ------------------------------------------------------------------ sessions and jobs
+
+
+@pytest.mark.asyncio
+async def test_a_tenant_cannot_see_or_touch_another_tenants_sessions_and_jobs(tls_agent, pki):
+    async with (
+        tenant(tls_agent, pki, "tenant-a") as a,
+        tenant(tls_agent, pki, "tenant-b") as b,
+        tenant(tls_agent, pki, "ops", admin=True) as admin,
+        await a.open_session(transport="tcp", queue_depth=4) as sa,
+    ):
+        src = await sa.alloc(4096, readable=True)
+        await sa.crc32c(src)
+        job = await sa.submit_rpc("crc32c", src)
+        await job
+        job_name = f"{sa.name}/jobs/{job.job_id}"
+        missing_session = "sessions/s-000000000000"
+        missing_job = f"{missing_session}/jobs/{job.job_id}"
+        for call, theirs_name, missing_name in (
+            (b.get_session, sa.name, missing_session),
+            (b.close_session, sa.name, missing_session),
+            (b.list_jobs, sa.name, missing_session),
+            (b.get_job, job_name, missing_job),
+            (b.cancel_job, job_name, missing_job),
+        ):
+            with pytest.raises(host_client.NotFoundError) as theirs:
+                await call(theirs_name)
+            with pytest.raises(host_client.NotFoundError) as missing:
+                await call(missing_name)
+            same_answer(theirs.value, missing.value, sa.name, missing_session)
+        stubs = b.stubs.sessions
+        for method, request in (
+            (
+                stubs.AttachVolume,
+                session_pb2.AttachVolumeRequest(session=sa.name, volume="volumes/x"),
+            ),
+            (stubs.RegisterKey, session_pb2.RegisterKeyRequest(session=sa.name, key=bytes(32))),
+            (stubs.AdvertiseRegions, session_pb2.AdvertiseRegionsRequest(session=sa.name)),
+            (stubs.WithdrawRegion, session_pb2.WithdrawRegionRequest(name=src.name)),
+            (
+                b.stubs.jobs.SubmitJob,
+                job_pb2.SubmitJobRequest(
+                    session=sa.name,
+                    spec=job_pb2.JobSpec(crc32c=job_pb2.Crc32cJob(source=src.ref().region_ref())),
+                ),
+            ),
+        ):
+            with pytest.raises(host_client.NotFoundError):
+                await b._call(method, request)
+        watch = b.stubs.jobs.WatchCompletions(job_pb2.WatchCompletionsRequest(session=sa.name))
+        with pytest.raises(grpc.aio.AioRpcError) as stream_error:
+            async for _ in watch:
+                pass
+        assert stream_error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert sa.name not in [s.name for s in await b.list_sessions()]
+        # the admin sees A's session and its jobs
+        assert sa.name in [s.name for s in await admin.list_sessions()]
+        assert (await admin.get_job(job_name)).name == job_name
+        # and A's session still works
+        src.view[:] = b"x" * 4096
+        assert await sa.crc32c(src) == crc32c.crc32c(b"x" * 4096)
+        assert (await a.get_session(sa.name)).state == session_pb2.SESSION_STATE_ACTIVE
+
+
+@pytest.mark.asyncio
+async def test_a_job_names_only_its_own_sessions_regions_and_volumes(tls_agent, pki):
+    async with (
+        tenant(tls_agent, pki, "tenant-a") as a,
+        tenant(tls_agent, pki, "tenant-b") as b,
+    ):
+        await a.create_volume("a-private", MiB)
+        async with (
+            await a.open_session(transport="tcp", queue_depth=4) as sa,
+            await a.open_session(transport="tcp", queue_depth=4) as sa2,
+            await b.open_session(transport="tcp", queue_depth=4) as sb,
+        ):
+            secret = await sa.alloc(4096, readable=True, writable=True)
+            secret.view[:] = b"s" * 4096
+            handle = await sa.attach("volumes/a-private")
+            mine = await sb.alloc(4096, readable=True, writable=True)
+            # capsule path: B names A's region (its addr and rkey) as source, destination
+            for job in (
+                await sb.submit_copy(secret, mine),
+                await sb.submit_copy(mine, secret),
+                await sb.submit_crc32c(secret),
+                await sa2.submit_crc32c(secret),  # same tenant, other session: refused too
+            ):
+                done = await job
+                assert done.code == "INVALID_ARGUMENT", done
+                assert "no region with rkey" in done.message
+            assert mine.view != secret.view
+            assert secret.view == b"s" * 4096
+            # capsule path: B uses A's volume handle; B attached nothing
+            read = await sb._submit(
+                JobKind.VOLUME_READ, Span(), mine.ref().span(), None, handle=handle, offset=0
+            )
+            done = await read
+            assert done.code == "INVALID_ARGUMENT"
+            assert f"no volume is attached to this session with handle {handle}" in done.message
+            # gRPC path: a region name of another session, a volume not attached
+            spec = job_pb2.JobSpec(crc32c=job_pb2.Crc32cJob(source=secret.ref().region_ref()))
+            with pytest.raises(host_client.InvalidArgumentError, match=f"is not in {sb.name}"):
+                await b._call(
+                    b.stubs.jobs.SubmitJob, job_pb2.SubmitJobRequest(session=sb.name, spec=spec)
+                )
+            spec = job_pb2.JobSpec()
+            spec.volume_read.volume = "volumes/a-private"
+            spec.volume_read.destination.CopyFrom(mine.ref().region_ref())
+            with pytest.raises(host_client.FailedPreconditionError, match="is not attached"):
+                await b._call(
+                    b.stubs.jobs.SubmitJob, job_pb2.SubmitJobRequest(session=sb.name, spec=spec)
+                )
+
+
+# ------------------------------------------------------------------ flow rules and ports
+
+
+def forward_rule(port="pf0vf0", to="pf0vf1", priority=10):
+    return network_pb2.FlowRule(
+        priority=priority,
+        ingress_port=f"ports/{port}",
+        actions=[network_pb2.FlowAction(forward=network_pb2.ForwardAction(port=f"ports/{to}"))],
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_tenant_cannot_touch_another_tenants_flow_rules(tls_agent, pki):
+    async with (
+        tenant(tls_agent, pki, "tenant-a") as a,
+        tenant(tls_agent, pki, "tenant-b") as b,
+        tenant(tls_agent, pki, "ops", admin=True) as admin,
+    ):
+        made = await a.create_flow_rule("a-rule", forward_rule(priority=20))
+        assert made.tenant == "tenant-a"
+        await b.create_flow_rule("b-rule", forward_rule(port="pf0vf1", to="pf0vf0"))
+        net = b.stubs.network
+        update = network_pb2.UpdateFlowRuleRequest(
+            flow_rule=network_pb2.FlowRule(name="flowRules/a-rule", priority=30)
+        )
+        for method, request in (
+            (net.GetFlowRule, network_pb2.GetFlowRuleRequest(name="flowRules/a-rule")),
+            (net.DeleteFlowRule, network_pb2.DeleteFlowRuleRequest(name="flowRules/a-rule")),
+            (net.UpdateFlowRule, update),
+        ):
+            with pytest.raises(host_client.NotFoundError) as theirs:
+                await b._call(method, request)
+            assert theirs.value.message == "flowRules/a-rule does not exist"
+        watch = net.WatchFlowCounters(
+            network_pb2.WatchFlowCountersRequest(names=["flowRules/a-rule"])
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as stream_error:
+            async for _ in watch:
+                pass
+        assert stream_error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert [r.name for r in await b.list_flow_rules()] == ["flowRules/b-rule"]
+        # the same port and priority as A's rule: refused without naming A's rule
+        with pytest.raises(host_client.AlreadyExistsError) as taken:
+            await b.create_flow_rule("b-clash", forward_rule(priority=20))
+        assert "a-rule" not in taken.value.message
+        assert (await a.get_flow_rule("flowRules/a-rule")).priority == 20
+        everything = {r.name: r.tenant for r in await admin.list_flow_rules()}
+        assert everything == {"flowRules/a-rule": "tenant-a", "flowRules/b-rule": "tenant-b"}
+
+
+@pytest.mark.asyncio
+async def test_ports_and_uplink_rules_need_the_admin_role(tls_agent, pki):
+    async with (
+        tenant(tls_agent, pki, "tenant-b") as b,
+        tenant(tls_agent, pki, "ops", admin=True) as admin,
+    ):
+        with pytest.raises(host_client.PermissionDeniedError, match="needs the admin role"):
+            await b.list_ports()
+        with pytest.raises(host_client.PermissionDeniedError, match="needs the admin role"):
+            await b._call(b.stubs.network.GetPort, network_pb2.GetPortRequest(name="ports/p0"))
+        with pytest.raises(host_client.PermissionDeniedError, match="uplink port p0"):
+            await b.create_flow_rule("b-uplink", forward_rule(port="p0", to="pf0vf0"))
+        assert "ports/p0" in [p.name for p in await admin.list_ports()]
+        made = await admin.create_flow_rule("ops-uplink", forward_rule(port="p0", to="pf0vf0"))
+        assert made.tenant == "ops"
+
+
+# ------------------------------------------------------------------ quotas
+
+
+QUOTAS = {
+    "DPU_AGENT_QUOTA_MAX_VOLUMES": "2",
+    "DPU_AGENT_QUOTA_MAX_VOLUME_BYTES": str(3 * MiB),
+    "DPU_AGENT_QUOTA_MAX_SESSIONS": "2",
+    "DPU_AGENT_QUOTA_MAX_QUEUE_DEPTH": "8",
+    "DPU_AGENT_QUOTA_MAX_FLOW_RULES": "1",
+    "DPU_AGENT_NETWORK_BACKEND": "memory",
+}
+
+
+@pytest.fixture(scope="module")
+def quota_agent(tmp_path_factory, pki):
+    agent = start_agent(tmp_path_factory.mktemp("quota-agent"), pki=pki, env=QUOTAS)
+    yield agent
+    assert agent.terminate() == 0, agent.log_path.read_text()
+
+
+@pytest.mark.asyncio
+async def test_volume_quotas(quota_agent, pki):
+    async with (
+        tenant(quota_agent, pki, "tenant-a") as a,
+        tenant(quota_agent, pki, "tenant-b") as b,
+    ):
+        with pytest.raises(host_client.ResourceExhaustedError, match=r"quota\.max_volume_bytes"):
+            await a.create_volume("too-big", 4 * MiB)
+        await a.create_volume("q-1", MiB)
+        await a.create_volume("q-2", MiB)
+        with pytest.raises(host_client.ResourceExhaustedError, match=r"quota\.max_volumes") as hit:
+            await a.create_volume("q-3", MiB)
+        assert "tenant 'tenant-a' would hold 3 volumes; its quota is 2" in hit.value.message
+        with pytest.raises(host_client.ResourceExhaustedError, match=r"quota\.max_volume_bytes"):
+            await a.resize_volume("volumes/q-1", 3 * MiB)
+        assert (await a.resize_volume("volumes/q-1", 2 * MiB)).size_bytes == 2 * MiB
+        # quotas are per tenant: B has its own
+        await b.create_volume("q-b", MiB)
+        await a.delete_volume("volumes/q-2")
+        await a.create_volume("q-3", MiB)
+
+
+@pytest.mark.asyncio
+async def test_session_and_queue_depth_quotas(quota_agent, pki):
+    async with (
+        tenant(quota_agent, pki, "tenant-a") as a,
+        tenant(quota_agent, pki, "tenant-b") as b,
+    ):
+        with pytest.raises(host_client.ResourceExhaustedError, match=r"quota\.max_queue_depth"):
+            await a.open_session(transport="tcp", queue_depth=16)
+        async with await a.open_session(transport="tcp", queue_depth=6):
+            with pytest.raises(host_client.ResourceExhaustedError, match=r"quota\.max_queue_depth"):
+                await a.open_session(transport="tcp", queue_depth=4)
+            async with await a.open_session(transport="tcp", queue_depth=2):
+                with pytest.raises(
+                    host_client.ResourceExhaustedError, match=r"quota\.max_sessions"
+                ):
+                    await a.open_session(transport="tcp", queue_depth=1)
+                async with await b.open_session(transport="tcp", queue_depth=8) as other:
+                    assert other.name
+        async with await a.open_session(transport="tcp", queue_depth=8) as again:
+            assert again.name  # closed sessions give their quota back
+
+
+@pytest.mark.asyncio
+async def test_concurrent_opens_cannot_slip_past_the_session_quota(quota_agent, pki):
+    async with tenant(quota_agent, pki, "tenant-c") as c:
+        results = await asyncio.gather(
+            *(c.open_session(transport="tcp", queue_depth=1) for _ in range(5)),
+            return_exceptions=True,
+        )
+        sessions = [r for r in results if isinstance(r, host_client.Session)]
+        refused = [r for r in results if isinstance(r, host_client.ResourceExhaustedError)]
+        try:
+            assert len(sessions) == 2
+            assert len(refused) == 3
+        finally:
+            for session in sessions:
+                await session.close()
+
+
+@pytest.mark.asyncio
+async def test_flow_rule_quota(quota_agent, pki):
+    async with tenant(quota_agent, pki, "tenant-a") as a:
+        await a.create_flow_rule("fq-1", forward_rule(priority=40))
+        with pytest.raises(host_client.ResourceExhaustedError, match=r"quota\.max_flow_rules"):
+            await a.create_flow_rule("fq-2", forward_rule(priority=41))
+
+
+# ------------------------------------------------------------------ tokens on loopback
+
+
+@pytest.fixture(scope="module")
+def token_agent(tmp_path_factory):
+    from host_client import _certs  # noqa: PLC0415
+
+    directory = tmp_path_factory.mktemp("token-agent")
+    token_a, entry_a = _certs.make_token("tenant-a")
+    token_admin, entry_admin = _certs.make_token("ops", admin=True)
+    tokens = directory / "tokens.toml"
+    tokens.write_text(entry_a + entry_admin)
+    tokens.chmod(0o600)
+    agent = start_agent(
+        directory,
+        env={"DPU_AGENT_AUTH_TOKENS_FILE": str(tokens), "DPU_AGENT_NETWORK_BACKEND": "memory"},
+    )
+    yield agent, token_a, token_admin
+    assert agent.terminate() == 0, agent.log_path.read_text()
+
+
+@pytest.mark.asyncio
+async def test_bearer_tokens_on_plaintext_loopback(token_agent):
+    agent, token_a, token_admin = token_agent
+    async with host_client.Client(agent.address, tls=False, token="") as anonymous:
+        assert await anonymous.health() == "SERVING"  # health needs no credentials
+        with pytest.raises(host_client.PermissionDeniedError) as refused:
+            await anonymous.list_volumes()
+        assert refused.value.code == "UNAUTHENTICATED"
+    wrong_token = "not-a-token"  # noqa: S105 - a wrong token on purpose
+    async with host_client.Client(agent.address, tls=False, token=wrong_token) as wrong:
+        with pytest.raises(host_client.PermissionDeniedError, match="not known"):
+            await wrong.list_volumes()
+    async with host_client.Client(agent.address, tls=False, token=token_a) as a:
+        assert (await a.create_volume("tok-vol", MiB)).tenant == "tenant-a"
+        with pytest.raises(host_client.PermissionDeniedError, match="admin role"):
+            await a.list_ports()
+    async with host_client.Client(agent.address, tls=False, token=token_admin) as admin:
+        assert [p.name for p in await admin.list_ports()]
+        assert (await admin.get_volume("volumes/tok-vol")).tenant == "tenant-a"
+
+
+# ------------------------------------------------------------------ dpuctl and grpcurl
+
+
+def test_dpuctl_over_mtls_with_options_and_environment(tls_agent, pki):
+    def dpuctl(*args, env=None):
+        return subprocess.run(
+            [str(BIN / "dpuctl"), "--target", tls_agent.address, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, **(env or {})},
+        )
+
+    made = dpuctl(*pki.cli_args("tenant-d"), "volume", "create", "cli-d", "--size", "1M")
+    assert made.returncode == 0, made.stderr
+    tls = pki.client("tenant-e")
+    env = {"DPU_TLS_CA": str(tls.ca), "DPU_TLS_CERT": str(tls.cert), "DPU_TLS_KEY": str(tls.key)}
+    listed = dpuctl("volume", "list", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert "cli-d" not in listed.stdout  # tenant-e does not see tenant-d's volume
+    got = dpuctl("volume", "get", "cli-d", env=env)
+    assert got.returncode == 1
+    assert "NOT_FOUND" in got.stderr
+    plain = dpuctl("--plaintext", "health", env=env)
+    assert plain.returncode == 1
+    assert "UNAVAILABLE" in plain.stderr
+
+
+def test_grpcurl_with_a_client_certificate(tls_agent, pki):
+    made = subprocess.run(
+        [
+            str(BIN / "dpuctl"),
+            *("--target", tls_agent.address, *pki.cli_args("tenant-f")),
+            *("volume", "create", "grpcurl-f", "--size", "1M"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+
+    def grpcurl(who):
+        tls = pki.client(who)
+        return subprocess.run(
+            [
+                str(BIN / "grpcurl"),
+                *("-cacert", str(tls.ca), "-cert", str(tls.cert), "-key", str(tls.key)),
+                *(tls_agent.address, "dpu.v1.StorageService/ListVolumes"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    mine, theirs = grpcurl("tenant-f"), grpcurl("tenant-g")
+    assert mine.returncode == theirs.returncode == 0, mine.stderr + theirs.stderr
+    assert "volumes/grpcurl-f" in mine.stdout
+    assert "volumes/grpcurl-f" not in theirs.stdout
+
+
+# ------------------------------------------------------------------ limits a peer cannot lift
+
+
+@pytest.mark.asyncio
+async def test_completion_streams_and_watched_rules_are_bounded(tls_agent, pki):
+    async with (
+        tenant(tls_agent, pki, "tenant-h") as h,
+        await h.open_session(transport="tcp", queue_depth=1) as session,
+    ):
+        streams = []  # the SDK holds one stream already; 15 more reach the limit of 16
+        try:
+            for _ in range(15):
+                stream = h.stubs.jobs.WatchCompletions(
+                    job_pb2.WatchCompletionsRequest(session=session.name)
+                )
+                await stream.initial_metadata()  # the agent sends it once the watch is in place
+                streams.append(stream)
+            extra = h.stubs.jobs.WatchCompletions(
+                job_pb2.WatchCompletionsRequest(session=session.name)
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in extra:
+                    pass
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "watched by 16 streams already" in (refused.value.details() or "")
+        finally:
+            for stream in streams:
+                stream.cancel()
+        names = [f"flowRules/r-{i}" for i in range(1001)]
+        watch = h.stubs.network.WatchFlowCounters(network_pb2.WatchFlowCountersRequest(names=names))
+        with pytest.raises(grpc.aio.AioRpcError) as too_many:
+            async for _ in watch:
+                pass
+        assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
