@@ -42,8 +42,8 @@ lint: venv check-proto check-docs lint-deploy  ## ruff + mypy --strict on our co
 lint-deploy: venv  ## deployment files: shellcheck, systemd-analyze, hadolint, kubernetes-validate, ...
 	$(PY) deploy/lint_deploy.py
 
-test-host: venv  ## unit, integration, fault and load suites on this machine (RDMA tests skip here, with the reason)
-	$(PY) -m pytest tests/unit tests/integration tests/faults tests/vm
+test-host: venv  ## unit, integration, fault, load and fuzz suites on this machine (RDMA tests skip here, with the reason)
+	$(PY) -m pytest tests/unit tests/integration tests/faults tests/fuzz tests/vm
 
 vm-fetch: venv  ## download and cache the test VM's kernel and initramfs
 	$(TESTVM) fetch
