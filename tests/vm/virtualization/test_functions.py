@@ -107,6 +107,7 @@ async def test_vlans_separate_functions_until_they_match(agent):
         await client.update_function(
             virtualization_pb2.Function(name="functions/b", vlan_id=100), ["vlan_id"]
         )
+        ping(ns_a, B_IP, count=1)  # re-resolves ARP (failed while the VLANs differed)
         assert ping(ns_a, B_IP, count=3) == 3
         # on the DPU side the traffic is tagged: the representor sees VLAN 100 frames
         rule = network_pb2.FlowRule(
