@@ -14,10 +14,10 @@ TESTVM := /usr/bin/python3 deploy/testvm/testvm.py
 LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench
 VM_JUNIT := .testvm/out/junit-vm.xml
 
-.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm vm-fetch demo bench clean
+.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 vm-fetch demo bench clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
 
 venv:  ## install Debian packages, the virtualenv and the project (idempotent)
 	@scripts/bootstrap.sh
@@ -44,6 +44,9 @@ lint-deploy: venv  ## deployment files: shellcheck, systemd-analyze, hadolint, k
 
 test-host: venv  ## unit, integration, fault, load and fuzz suites on this machine (RDMA tests skip here, with the reason)
 	$(PY) -m pytest tests/unit tests/integration tests/faults tests/fuzz tests/vm
+
+test-aarch64: venv  ## unit + tcp integration suites on arm64 under qemu-user (root; ~3 min, ~7 min the first time)
+	deploy/aarch64/run-tests.sh
 
 vm-fetch: venv  ## download and cache the test VM's kernel and initramfs
 	$(TESTVM) fetch
