@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, Final, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, Self, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -40,12 +40,22 @@ from host_client._session import TRANSPORT_NUMBERS, Session
 from host_client._tls import TOKEN_ENV, TlsConfig, open_channel
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Sequence
     from types import TracebackType
 
     from dpu_wire.transport.base import HostTransport
 
 _R = TypeVar("_R")
+_T = TypeVar("_T")
+
+
+class _Page(Protocol):
+    """A List RPC's answer (AIP-158): one page and the token of the next."""
+
+    next_page_token: str
+
+
+_P = TypeVar("_P", bound=_Page)
 
 MAX_QUEUE_DEPTH: Final = 1024
 _COMPRESSIONS: Final = {
@@ -189,17 +199,11 @@ class Client:
 
     async def list_sessions(self) -> list[session_pb2.Session]:
         """Every session on the agent (all pages)."""
-        sessions: list[session_pb2.Session] = []
-        token = ""
-        while True:
-            page: session_pb2.ListSessionsResponse = await self._call(
-                self.stubs.sessions.ListSessions,
-                session_pb2.ListSessionsRequest(page_token=token),
-            )
-            sessions.extend(page.sessions)
-            token = page.next_page_token
-            if not token:
-                return sessions
+        return await self._all_pages(
+            self.stubs.sessions.ListSessions,
+            lambda token: session_pb2.ListSessionsRequest(page_token=token),
+            lambda page: page.sessions,
+        )
 
     async def get_session(self, name: str) -> session_pb2.Session:
         """One session by name ("sessions/{id}")."""
@@ -216,17 +220,11 @@ class Client:
 
     async def list_jobs(self, session: str, state: int = 0) -> list[job_pb2.Job]:
         """A session's open and retained jobs (all pages), optionally in one state."""
-        jobs: list[job_pb2.Job] = []
-        token = ""
-        while True:
-            page: job_pb2.ListJobsResponse = await self._call(
-                self.stubs.jobs.ListJobs,
-                job_pb2.ListJobsRequest(session=session, page_token=token, state=state),  # type: ignore[arg-type]
-            )
-            jobs.extend(page.jobs)
-            token = page.next_page_token
-            if not token:
-                return jobs
+        return await self._all_pages(
+            self.stubs.jobs.ListJobs,
+            lambda token: job_pb2.ListJobsRequest(session=session, page_token=token, state=state),  # type: ignore[arg-type]
+            lambda page: page.jobs,
+        )
 
     async def get_job(self, name: str) -> job_pb2.Job:
         """One job by name ("sessions/{id}/jobs/{n}")."""
@@ -285,16 +283,11 @@ class Client:
 
     async def list_volumes(self) -> list[storage_pb2.Volume]:
         """Every volume (all pages)."""
-        volumes: list[storage_pb2.Volume] = []
-        token = ""
-        while True:
-            page: storage_pb2.ListVolumesResponse = await self._call(
-                self.stubs.storage.ListVolumes, storage_pb2.ListVolumesRequest(page_token=token)
-            )
-            volumes.extend(page.volumes)
-            token = page.next_page_token
-            if not token:
-                return volumes
+        return await self._all_pages(
+            self.stubs.storage.ListVolumes,
+            lambda token: storage_pb2.ListVolumesRequest(page_token=token),
+            lambda page: page.volumes,
+        )
 
     async def resize_volume(
         self, name: str, size_bytes: int, *, force: bool = False
@@ -340,17 +333,11 @@ class Client:
 
     async def list_flow_rules(self, port: str = "") -> list[network_pb2.FlowRule]:
         """Every rule (on one port, "ports/{name}"), all pages."""
-        rules: list[network_pb2.FlowRule] = []
-        token = ""
-        while True:
-            page: network_pb2.ListFlowRulesResponse = await self._call(
-                self.stubs.network.ListFlowRules,
-                network_pb2.ListFlowRulesRequest(ingress_port=port, page_token=token),
-            )
-            rules.extend(page.flow_rules)
-            token = page.next_page_token
-            if not token:
-                return rules
+        return await self._all_pages(
+            self.stubs.network.ListFlowRules,
+            lambda token: network_pb2.ListFlowRulesRequest(ingress_port=port, page_token=token),
+            lambda page: page.flow_rules,
+        )
 
     async def delete_flow_rule(self, name: str) -> None:
         """Remove a rule from the datapath."""
@@ -384,17 +371,11 @@ class Client:
 
     async def list_functions(self) -> list[virtualization_pb2.Function]:
         """Every function (all pages)."""
-        functions: list[virtualization_pb2.Function] = []
-        token = ""
-        while True:
-            page: virtualization_pb2.ListFunctionsResponse = await self._call(
-                self.stubs.virtualization.ListFunctions,
-                virtualization_pb2.ListFunctionsRequest(page_token=token),
-            )
-            functions.extend(page.functions)
-            token = page.next_page_token
-            if not token:
-                return functions
+        return await self._all_pages(
+            self.stubs.virtualization.ListFunctions,
+            lambda token: virtualization_pb2.ListFunctionsRequest(page_token=token),
+            lambda page: page.functions,
+        )
 
     async def update_function(
         self, function: virtualization_pb2.Function, fields: Sequence[str]
@@ -450,6 +431,22 @@ class Client:
             await host.close()
             raise
         return session
+
+    async def _all_pages(
+        self,
+        method: Callable[..., Awaitable[_P]],
+        request: Callable[[str], object],
+        items: Callable[[_P], Iterable[_T]],
+    ) -> list[_T]:
+        """Every item of a paged List RPC: one call per page until the last."""
+        found: list[_T] = []
+        token = ""
+        while True:
+            page = await self._call(method, request(token))
+            found.extend(items(page))
+            token = page.next_page_token
+            if not token:
+                return found
 
     async def _call(
         self,
