@@ -31,7 +31,6 @@ import abc
 import functools
 import hashlib
 import ipaddress
-import os
 import tomllib
 from typing import TYPE_CHECKING, Any, Final
 
@@ -40,6 +39,7 @@ from cryptography.x509.oid import NameOID
 
 from dpu_agent.auth import ADMIN_ROLE, LOCAL_ADMIN, Principal, Via
 from dpu_agent.errors import Unauthenticated
+from dpu_agent.private_files import read_with_mode
 from dpu_wire import names
 
 if TYPE_CHECKING:
@@ -166,14 +166,9 @@ def peer_is_loopback(peer: str) -> bool:
 def load_tokens(path: Path) -> TokenAuthenticator:
     """Read a tokens file (see the module docstring); TokensFileError says what is wrong."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        data, mode = read_with_mode(path, MAX_TOKENS_FILE_BYTES)
     except OSError as exc:
         raise TokensFileError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        mode = os.fstat(fd).st_mode & 0o777
-        data = os.read(fd, MAX_TOKENS_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
     if mode & 0o077:
         raise TokensFileError(
             f"{path} may be read by group or others (mode {mode:04o}); it must be 0600"

@@ -21,7 +21,6 @@ import dataclasses
 import datetime as dt
 import ipaddress
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -37,6 +36,7 @@ from dpu_agent.identity import (
     TokensFileError,
     load_tokens,
 )
+from dpu_agent.private_files import read_with_mode
 
 if TYPE_CHECKING:
     from dpu_agent.config import AgentConfig
@@ -127,14 +127,9 @@ def security(config: AgentConfig) -> Security:
 def _read(path_text: str, what: str, *, private: bool = False) -> bytes:
     path = Path(path_text).expanduser()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        data, mode = read_with_mode(path, MAX_PEM_BYTES)
     except OSError as exc:
         raise ConfigError(f"{what}: cannot read {path}: {exc.strerror}") from None
-    try:
-        mode = os.fstat(fd).st_mode & 0o777
-        data = os.read(fd, MAX_PEM_BYTES + 1)
-    finally:
-        os.close(fd)
     if private and mode & 0o077:
         raise ConfigError(
             f"{what}: {path} may be read by group or others (mode {mode:04o}); it must be 0600"
