@@ -29,12 +29,23 @@ def timestamp(ns: int) -> timestamp_pb2.Timestamp:
     return ts
 
 
-def region_id(s: Session, name: str, what: str) -> str:
-    """The id in "sessions/{session}/regions/{id}", which must be a region of `s`."""
+def parsed_name(name: str, what: str, *collections: str) -> tuple[str, ...]:
+    """The ids in a resource name of these collections; InvalidArgument naming `what`."""
     try:
-        owner, ident = names.parse_name(name, "sessions", "regions")
+        return names.parse_name(name, *collections)
     except names.InvalidNameError as exc:
         raise InvalidArgument(f"{what}: {exc}") from None
+
+
+def resource_id(name: str, collection: str, what: str) -> str:
+    """The id in "{collection}/{id}"; InvalidArgument naming the field `what`."""
+    (ident,) = parsed_name(name, what, collection)
+    return ident
+
+
+def region_id(s: Session, name: str, what: str) -> str:
+    """The id in "sessions/{session}/regions/{id}", which must be a region of `s`."""
+    owner, ident = parsed_name(name, what, "sessions", "regions")
     if owner != s.session_id:
         raise InvalidArgument(f"{what}: {name} is not in {s.name}")
     return ident

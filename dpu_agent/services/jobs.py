@@ -37,10 +37,7 @@ def _span(session: Session, ref: common_pb2.RegionRef, what: str) -> Span:
 
 
 def _volume(session: Session, name: str, what: str) -> str:
-    try:
-        (volume_id,) = names.parse_name(name, "volumes")
-    except names.InvalidNameError as exc:
-        raise InvalidArgument(f"{what}.volume: {exc}") from None
+    volume_id = convert.resource_id(name, "volumes", f"{what}.volume")
     session.check_attached(volume_id)
     return volume_id
 

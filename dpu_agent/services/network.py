@@ -17,7 +17,7 @@ from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument
 from dpu_agent.network import model
 from dpu_agent.quota import Quotas
-from dpu_agent.services.convert import timestamp
+from dpu_agent.services.convert import resource_id, timestamp
 from dpu_wire import names
 from dpu_wire.v1 import network_pb2, network_pb2_grpc
 
@@ -51,20 +51,7 @@ _UPDATABLE: Final = {"priority", "match", "actions", "offload"}
 
 def port_name(name: str, what: str) -> str:
     """The netdev in "ports/{name}"."""
-    try:
-        (port,) = names.parse_name(name, "ports")
-    except names.InvalidNameError as exc:
-        raise InvalidArgument(f"{what}: {exc}") from None
-    return port
-
-
-def flow_rule_id(name: str, what: str) -> str:
-    """The id in "flowRules/{id}"."""
-    try:
-        (rule,) = names.parse_name(name, "flowRules")
-    except names.InvalidNameError as exc:
-        raise InvalidArgument(f"{what}: {exc}") from None
-    return rule
+    return resource_id(name, "ports", what)
 
 
 def _network(text: str, what: str) -> model.IPNetwork | None:
@@ -348,7 +335,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         if len(request.names) > MAX_WATCHED_RULES:
             raise InvalidArgument(f"names: at most {MAX_WATCHED_RULES} rules per watch")
         principal = auth.current_principal()
-        wanted = [flow_rule_id(n, f"names[{i}]") for i, n in enumerate(request.names)]
+        wanted = [resource_id(n, "flowRules", f"names[{i}]") for i, n in enumerate(request.names)]
         for rule_id in wanted:
             await self._owned(rule_id)
         interval = max(request.interval_ms or 1000, MIN_INTERVAL_MS) / 1000

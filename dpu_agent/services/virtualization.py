@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument, NotFound
-from dpu_agent.services.convert import timestamp
+from dpu_agent.services.convert import resource_id, timestamp
 from dpu_agent.virtualization.model import (
     DEFAULT_MTU,
     MUTABLE_FIELDS,
@@ -53,13 +53,7 @@ assert set(_MASK_FIELDS.values()) == MUTABLE_FIELDS  # noqa: S101 - a table kept
 
 
 def _volume_id(text: str) -> str:
-    if not text:
-        return ""
-    try:
-        (volume,) = names.parse_name(text, "volumes")
-    except names.InvalidNameError as exc:
-        raise InvalidArgument(f"function.volume: {exc}") from None
-    return volume
+    return resource_id(text, "volumes", "function.volume") if text else ""
 
 
 def spec_from(function_id: str, f: virtualization_pb2.Function, tenant: str) -> FunctionSpec:
