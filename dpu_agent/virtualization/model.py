@@ -69,7 +69,9 @@ class Provisioned:
     """What a backend made for a function.
 
     `representor_port` is the DPU-side port (a netdev the network service manages),
-    `host_device` what the host sees (a netdev name or a /dev path), and `facts`
+    `host_device` what the host sees, as far as the DPU can tell: the linux backend's
+    "<netns>/eth0" or /dev path, the bluefield backend's "vf:<pf>/<vf>", "sf:<pf>/<sf>"
+    or "pci:<bdf>" (the host's own names are not visible from the DPU), and `facts`
     whatever the backend needs to find and tear the function down later (namespace,
     NQN, device numbers...), persisted with the record. Strings only.
     """
