@@ -53,13 +53,47 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from typing import Final
+from typing import Final, NamedTuple
+
+from dpu_wire.jobkinds import FLAG_FUA, KINDS, VOLUME_KINDS, JobKind
+
+__all__ = [
+    "AGENT_JOB_ID_BASE",
+    "CANCEL_SIZE",
+    "COMPLETION_BODY",
+    "COMPLETION_FIXED",
+    "FLAG_FUA",
+    "HEADER",
+    "MAGIC",
+    "MAX_CAPSULE",
+    "MAX_MESSAGE",
+    "SUBMIT_BODY",
+    "SUBMIT_SIZE",
+    "U32_MAX",
+    "U64_MAX",
+    "VERSION",
+    "VOLUME_KINDS",
+    "Cancel",
+    "Capsule",
+    "CapsuleError",
+    "Completion",
+    "JobKind",
+    "Opcode",
+    "Span",
+    "State",
+    "Submit",
+    "decode",
+    "pack_completion",
+    "peek_header",
+]
 
 MAGIC: Final = b"DC"
 VERSION: Final = 1
 HEADER = struct.Struct("<2sBBIQ")
 SUBMIT_BODY = struct.Struct("<HHI QII QII Q II Q")
 COMPLETION_BODY = struct.Struct("<HBBHH QQQ QQQ Q")
+_SUBMIT = struct.Struct("<2sBBIQ HHI QII QII Q II Q")  # header + body, one unpack
+_COMPLETION = struct.Struct("<2sBBIQ HBBHH QQQ QQQ Q")
 SUBMIT_SIZE: Final = HEADER.size + SUBMIT_BODY.size
 CANCEL_SIZE: Final = HEADER.size
 COMPLETION_FIXED: Final = HEADER.size + COMPLETION_BODY.size
@@ -72,8 +106,8 @@ U32_MAX: Final = 0xFFFF_FFFF
 U64_MAX: Final = 0xFFFF_FFFF_FFFF_FFFF
 
 assert HEADER.size == 16  # noqa: S101 - layout guards, checked at import
-assert SUBMIT_SIZE == 80  # noqa: S101
-assert COMPLETION_FIXED == 80  # noqa: S101
+assert SUBMIT_SIZE == 80 == _SUBMIT.size  # noqa: S101
+assert COMPLETION_FIXED == 80 == _COMPLETION.size  # noqa: S101
 assert MAX_CAPSULE == 256  # noqa: S101
 
 
@@ -83,29 +117,6 @@ class Opcode(enum.IntEnum):
     SUBMIT = 1
     CANCEL = 2
     COMPLETION = 3
-
-
-class JobKind(enum.IntEnum):
-    """Job kinds a SUBMIT capsule can carry."""
-
-    COPY = 1
-    CRC32C = 2
-    VOLUME_WRITE = 3
-    VOLUME_READ = 4
-    VOLUME_FLUSH = 5
-    VOLUME_TRIM = 6
-    SHA256 = 7
-    COMPRESS = 8
-    DECOMPRESS = 9
-    ENCRYPT = 10
-    DECRYPT = 11
-
-
-FLAG_FUA: Final = 0x0001
-"""SUBMIT flag: a VOLUME_WRITE is on stable storage before its completion."""
-VOLUME_KINDS: Final = frozenset(
-    {JobKind.VOLUME_WRITE, JobKind.VOLUME_READ, JobKind.VOLUME_FLUSH, JobKind.VOLUME_TRIM}
-)
 
 
 class State(enum.IntEnum):
@@ -129,8 +140,7 @@ class CapsuleError(ValueError):
         self.job_id = job_id
 
 
-@dataclasses.dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """A window of host memory: virtual address, length and the region's rkey."""
 
     addr: int = 0
@@ -143,14 +153,17 @@ class Span:
         return self.addr + self.length
 
 
-@dataclasses.dataclass(frozen=True)
+ZERO_SPAN: Final = Span()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Submit:
     """A job the host asks the agent to run."""
 
     job_id: int
     kind: JobKind
     source: Span
-    destination: Span = Span()
+    destination: Span = ZERO_SPAN
     deadline_ms: int = 0
     offset: int = 0
     handle: int = 0
@@ -159,37 +172,20 @@ class Submit:
 
     def encode(self) -> bytes:
         """The 80-byte SUBMIT capsule."""
-        _check_u64(self.job_id, "job_id")
-        _check_u32(self.deadline_ms, "deadline_ms")
-        _check_u64(self.offset, "offset")
-        _check_u32(self.handle, "handle")
-        _check_u64(self.length, "length")
-        if not 0 <= self.flags <= 0xFFFF:
-            raise ValueError(f"flags {self.flags} do not fit in 16 bits")
-        for name, span in (("source", self.source), ("destination", self.destination)):
-            _check_u64(span.addr, f"{name}.addr")
-            _check_u32(span.length, f"{name}.length")
-            _check_u32(span.rkey, f"{name}.rkey")
-        return HEADER.pack(
-            MAGIC, VERSION, Opcode.SUBMIT, SUBMIT_SIZE, self.job_id
-        ) + SUBMIT_BODY.pack(
+        return pack_submit(
+            self.job_id,
             self.kind,
-            self.flags,
-            self.deadline_ms,
-            self.source.addr,
-            self.source.length,
-            self.source.rkey,
-            self.destination.addr,
-            self.destination.length,
-            self.destination.rkey,
-            self.offset,
-            self.handle,
-            0,
-            self.length,
+            self.source,
+            self.destination,
+            deadline_ms=self.deadline_ms,
+            offset=self.offset,
+            handle=self.handle,
+            length=self.length,
+            flags=self.flags,
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Cancel:
     """The host asks the agent to cancel one of its jobs."""
 
@@ -201,7 +197,7 @@ class Cancel:
         return HEADER.pack(MAGIC, VERSION, Opcode.CANCEL, CANCEL_SIZE, self.job_id)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Completion:
     """The agent's answer to one job, sent exactly once per job."""
 
@@ -218,107 +214,204 @@ class Completion:
 
     def encode(self) -> bytes:
         """The COMPLETION capsule; a long message is cut to MAX_MESSAGE bytes."""
-        text = self.message.encode("utf-8", errors="replace")[:MAX_MESSAGE]
-        text = text.decode("utf-8", errors="ignore").encode()  # do not split a character
-        length = COMPLETION_FIXED + len(text)
-        header = HEADER.pack(MAGIC, VERSION, Opcode.COMPLETION, length, self.job_id)
-        body = COMPLETION_BODY.pack(
-            self.status,
+        return pack_completion(
+            self.job_id,
             self.state,
-            0,
-            len(text),
-            0,
+            self.status,
             self.bytes_read,
             self.bytes_written,
             self.result,
             self.submit_ns,
             self.start_ns,
             self.end_ns,
-            0,
+            self.message,
         )
-        return header + body + text
 
 
 Capsule = Submit | Cancel | Completion
 
 
-def decode(data: bytes | bytearray | memoryview) -> Capsule:
-    """Parse one capsule, or raise CapsuleError saying what is wrong with it."""
-    data = bytes(data)
+# ---------------------------------------------------------------- encoders
+
+
+def pack_submit(  # noqa: PLR0913 - the SUBMIT's fields
+    job_id: int,
+    kind: int,
+    source: Span,
+    destination: Span = ZERO_SPAN,
+    *,
+    deadline_ms: int = 0,
+    offset: int = 0,
+    handle: int = 0,
+    length: int = 0,
+    flags: int = 0,
+) -> bytes:
+    """The 80-byte SUBMIT capsule; ValueError names a field that does not fit."""
+    try:
+        return _SUBMIT.pack(
+            MAGIC, VERSION, Opcode.SUBMIT, SUBMIT_SIZE, job_id,
+            kind, flags, deadline_ms,
+            source[0], source[1], source[2],
+            destination[0], destination[1], destination[2],
+            offset, handle, 0, length,
+        )  # fmt: skip
+    except struct.error:
+        _check_u64(job_id, "job_id")
+        _check_u32(deadline_ms, "deadline_ms")
+        _check_u64(offset, "offset")
+        _check_u32(handle, "handle")
+        _check_u64(length, "length")
+        if not 0 <= flags <= 0xFFFF:
+            raise ValueError(f"flags {flags} do not fit in 16 bits") from None
+        if not 0 <= kind <= 0xFFFF:
+            raise ValueError(f"kind {kind} does not fit in 16 bits") from None
+        for name, span in (("source", source), ("destination", destination)):
+            _check_u64(span[0], f"{name}.addr")
+            _check_u32(span[1], f"{name}.length")
+            _check_u32(span[2], f"{name}.rkey")
+        raise
+
+
+def pack_completion(  # noqa: PLR0913, PLR0917 - the COMPLETION's fields, positional: hot path
+    job_id: int,
+    state: int,
+    status: int,
+    bytes_read: int,
+    bytes_written: int,
+    result: int,
+    submit_ns: int,
+    start_ns: int,
+    end_ns: int,
+    message: str = "",
+) -> bytes:
+    """The COMPLETION capsule; a long message is cut to MAX_MESSAGE bytes."""
+    text = b""
+    if message:
+        text = message.encode("utf-8", errors="replace")[:MAX_MESSAGE]
+        text = text.decode("utf-8", errors="ignore").encode()  # do not split a character
+    return (
+        _COMPLETION.pack(
+            MAGIC,
+            VERSION,
+            Opcode.COMPLETION,
+            COMPLETION_FIXED + len(text),
+            job_id,
+            status,
+            state,
+            0,
+            len(text),
+            0,
+            bytes_read,
+            bytes_written,
+            result,
+            submit_ns,
+            start_ns,
+            end_ns,
+            0,
+        )
+        + text
+    )
+
+
+# ---------------------------------------------------------------- decoders
+
+SubmitFields = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int]
+"""(job_id, kind, flags, deadline_ms, source addr, length, rkey, destination addr,
+length, rkey, offset, handle, length) of a valid SUBMIT."""
+
+CompletionFields = tuple[int, int, int, int, int, int, int, int, int, str]
+"""(job_id, state, status, bytes_read, bytes_written, result, submit_ns, start_ns,
+end_ns, message) of a valid COMPLETION."""
+
+
+def peek_header(data: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """(opcode, job_id) of a capsule whose header is valid; CapsuleError otherwise.
+
+    Valid: at least 16 bytes, the magic, version 1, and a `length` equal to the bytes
+    received. The opcode is not checked here (`decode` does).
+    """
     if len(data) < HEADER.size:
         raise CapsuleError(
             f"capsule is {len(data)} bytes, shorter than the {HEADER.size}-byte header"
         )
     magic, version, opcode, length, job_id = HEADER.unpack_from(data)
     if magic != MAGIC:
-        raise CapsuleError(f"bad magic {magic!r} (expected {MAGIC!r})")
+        raise CapsuleError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
     if version != VERSION:
         raise CapsuleError(
             f"unsupported capsule version {version} (this side speaks {VERSION})", job_id
         )
     if length != len(data):
         raise CapsuleError(f"header says {length} bytes but the capsule has {len(data)}", job_id)
+    return opcode, job_id
+
+
+def submit_fields(data: bytes | bytearray | memoryview) -> SubmitFields:
+    """The fields of a SUBMIT capsule (header already known valid), or CapsuleError."""
+    if len(data) != SUBMIT_SIZE:
+        job_id = HEADER.unpack_from(data)[4]
+        raise CapsuleError(f"SUBMIT capsule must be {SUBMIT_SIZE} bytes, not {len(data)}", job_id)
+    f = _SUBMIT.unpack_from(data)
+    job_id, kind, flags = f[4], f[5], f[6]
+    row = KINDS.get(kind)
+    if row is None:
+        raise CapsuleError(f"unknown job kind {kind}", job_id)
+    if flags & ~row.flags:
+        raise CapsuleError(f"reserved flags are set ({flags & ~row.flags:#x})", job_id)
+    if f[16]:
+        raise CapsuleError("the reserved field at offset 68 is not zero", job_id)
+    return f[4:16] + f[17:]
+
+
+def completion_fields(data: bytes | bytearray | memoryview) -> CompletionFields:
+    """The fields of a COMPLETION capsule (header already known valid), or CapsuleError."""
+    size = len(data)
+    job_id = HEADER.unpack_from(data)[4]
+    if size < COMPLETION_FIXED:
+        raise CapsuleError(
+            f"COMPLETION capsule is {size} bytes, shorter than {COMPLETION_FIXED}", job_id
+        )
+    (_m, _v, _o, _l, _j, status, state, _flags, msg_len, _r1, b_read, b_written, result,
+     t_sub, t_start, t_end, _r2) = _COMPLETION.unpack_from(data)  # fmt: skip
+    if msg_len > MAX_MESSAGE or COMPLETION_FIXED + msg_len != size:
+        raise CapsuleError(f"message length {msg_len} does not fit the capsule", job_id)
+    if state not in _STATES:
+        raise CapsuleError(f"unknown completion state {state}", job_id)
+    message = ""
+    if msg_len:
+        message = bytes(data[COMPLETION_FIXED:]).decode("utf-8", errors="replace")
+    return (job_id, state, status, b_read, b_written, result, t_sub, t_start, t_end, message)
+
+
+_STATES: Final = frozenset(int(s) for s in State)
+
+
+def decode(data: bytes | bytearray | memoryview) -> Capsule:
+    """Parse one capsule, or raise CapsuleError saying what is wrong with it."""
+    opcode, job_id = peek_header(data)
     if opcode == Opcode.SUBMIT:
-        return _decode_submit(data, job_id)
+        f = submit_fields(data)
+        return Submit(
+            job_id=job_id,
+            kind=JobKind(f[1]),
+            source=Span(f[4], f[5], f[6]),
+            destination=Span(f[7], f[8], f[9]),
+            deadline_ms=f[3],
+            offset=f[10],
+            handle=f[11],
+            length=f[12],
+            flags=f[2],
+        )
     if opcode == Opcode.CANCEL:
-        if length != CANCEL_SIZE:
-            raise CapsuleError(f"CANCEL capsule must be {CANCEL_SIZE} bytes, not {length}", job_id)
+        if len(data) != CANCEL_SIZE:
+            raise CapsuleError(
+                f"CANCEL capsule must be {CANCEL_SIZE} bytes, not {len(data)}", job_id
+            )
         return Cancel(job_id)
     if opcode == Opcode.COMPLETION:
-        return _decode_completion(data, job_id)
+        c = completion_fields(data)
+        return Completion(job_id, State(c[1]), *c[2:])
     raise CapsuleError(f"unknown opcode {opcode}", job_id)
-
-
-def _decode_submit(data: bytes, job_id: int) -> Submit:
-    if len(data) != SUBMIT_SIZE:
-        raise CapsuleError(f"SUBMIT capsule must be {SUBMIT_SIZE} bytes, not {len(data)}", job_id)
-    fields = SUBMIT_BODY.unpack_from(data, HEADER.size)
-    kind, flags, deadline, s_addr, s_len, s_key, d_addr, d_len, d_key = fields[:9]
-    offset, handle, reserved, length = fields[9:]
-    if kind not in JobKind._value2member_map_:
-        raise CapsuleError(f"unknown job kind {kind}", job_id)
-    allowed = FLAG_FUA if kind == JobKind.VOLUME_WRITE else 0
-    if flags & ~allowed:
-        raise CapsuleError(f"reserved flags are set ({flags & ~allowed:#x})", job_id)
-    if reserved:
-        raise CapsuleError("the reserved field at offset 68 is not zero", job_id)
-    return Submit(
-        job_id=job_id,
-        kind=JobKind(kind),
-        source=Span(s_addr, s_len, s_key),
-        destination=Span(d_addr, d_len, d_key),
-        deadline_ms=deadline,
-        offset=offset,
-        handle=handle,
-        length=length,
-        flags=flags,
-    )
-
-
-def _decode_completion(data: bytes, job_id: int) -> Completion:
-    if len(data) < COMPLETION_FIXED:
-        raise CapsuleError(
-            f"COMPLETION capsule is {len(data)} bytes, shorter than {COMPLETION_FIXED}", job_id
-        )
-    (status, state, _flags, msg_len, _r1, b_read, b_written, result, t_sub, t_start, t_end, _r2) = (
-        COMPLETION_BODY.unpack_from(data, HEADER.size)
-    )
-    if msg_len > MAX_MESSAGE or COMPLETION_FIXED + msg_len != len(data):
-        raise CapsuleError(f"message length {msg_len} does not fit the capsule", job_id)
-    if state not in State._value2member_map_:
-        raise CapsuleError(f"unknown completion state {state}", job_id)
-    return Completion(
-        job_id=job_id,
-        state=State(state),
-        status=status,
-        bytes_read=b_read,
-        bytes_written=b_written,
-        result=result,
-        submit_ns=t_sub,
-        start_ns=t_start,
-        end_ns=t_end,
-        message=data[COMPLETION_FIXED:].decode("utf-8", errors="replace"),
-    )
 
 
 def _check_u32(value: int, name: str) -> None:
