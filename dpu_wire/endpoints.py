@@ -9,7 +9,7 @@ from dpu_wire.v1 import session_pb2
 def to_proto(address: PeerAddress | None) -> session_pb2.Endpoint:
     """The Endpoint message for an address (empty for None)."""
     if isinstance(address, TcpAddress):
-        tcp = session_pb2.TcpEndpoint(host=address.host, port=address.port)
+        tcp = session_pb2.TcpEndpoint(host=address.host, port=address.port, token=address.token)
         return session_pb2.Endpoint(tcp=tcp)
     if isinstance(address, VerbsAddress):
         verbs = session_pb2.VerbsEndpoint(
@@ -30,5 +30,5 @@ def from_proto(endpoint: session_pb2.Endpoint) -> PeerAddress | None:
         v = endpoint.verbs
         return VerbsAddress(bytes(v.gid), v.qp_num, v.psn, v.mtu, v.lid)
     if kind == "tcp":
-        return TcpAddress(endpoint.tcp.host, endpoint.tcp.port)
+        return TcpAddress(endpoint.tcp.host, endpoint.tcp.port, bytes(endpoint.tcp.token))
     return None

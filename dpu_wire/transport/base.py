@@ -2,17 +2,29 @@
 
 A transport gives each side of a session the operations of an RDMA RC queue pair:
 
-- the host registers memory regions (`HostTransport.register`) and advertises their
+- the host registers memory regions (`HostLink.register`) and advertises their
   (addr, length, rkey, access) to the agent over gRPC;
-- either side sends capsules (`send`) and receives them in order (`recv`): a SEND
-  consumed by a posted RECV on verbs, one frame on tcp;
+- either side sends capsules and receives them in order: a SEND consumed by a posted
+  RECV on verbs, one CAPSULE frame on tcp;
 - the agent moves bytes with one-sided operations against the host's regions:
-  `read` (RDMA READ host → DPU staging buffer) and `write` (RDMA WRITE DPU → host),
-  without the host's program doing anything.
+  `post_read` (RDMA READ host → DPU staging buffer) and `post_write` (RDMA WRITE
+  DPU → host), without the host's program doing anything.
 
-Ordering: a `write` that completed before a `send` is visible in host memory before
-the host receives that capsule (RC ordering; the tcp transport keeps it by using one
-ordered stream and acknowledging every write).
+Ordering: an operation posted before a SEND is finished at the host before the host
+receives that capsule (RC ordering on verbs; one ordered stream on tcp).
+
+The two sides are driven differently:
+
+- `AgentLink` is driven by the agent's data-plane reactor (one thread, no asyncio):
+  the reactor posts operations (`post_read`, `post_write`, `post_send`), pushes them
+  out (`flush`), and calls `poll` to take completions and received capsules, which the
+  link hands to a `LinkSink`. When a link has nothing outstanding the reactor may
+  `arm` it and wait on `fileno()` with every other link's descriptor. Every method is
+  called from the reactor thread only (set-up and `close` excepted, before and after).
+- `HostLink` is the SDK's side, on the host program's asyncio loop: it registers
+  memory, sends capsules (`send`, never blocking) and calls back for each capsule
+  received; it serves the agent's READs and WRITEs by itself (the NIC on verbs, the
+  link's protocol handler on tcp).
 
 Two implementations with the same semantics: `verbs` (pyverbs, any RDMA device) and
 `tcp` (a socket; the host side serves the agent's READ/WRITE against its registered
@@ -22,12 +34,12 @@ regions, checking rkey, bounds and access, as an RDMA NIC does).
 from __future__ import annotations
 
 import abc
-import asyncio
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Protocol, Self
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
     from types import TracebackType
 
 
@@ -64,10 +76,15 @@ class VerbsAddress:
 
 @dataclasses.dataclass(frozen=True)
 class TcpAddress:
-    """Where to reach the host side's tcp data-plane listener."""
+    """Where to reach the host side's tcp listener, and the token its side presents.
+
+    The host's address carries the listener (`host`, `port`) and the host's token;
+    the agent's carries only the agent's token (see docs/data-plane.md section 1.3).
+    """
 
     host: str
     port: int
+    token: bytes = dataclasses.field(default=b"", repr=False)
 
 
 PeerAddress = VerbsAddress | TcpAddress
@@ -83,37 +100,109 @@ class Region(abc.ABC):
     access: Access
 
 
-class _Closeable(abc.ABC):
+class LinkSink(Protocol):
+    """What an `AgentLink` reports to, from inside `poll` (the reactor thread)."""
+
+    def on_capsule(self, data: memoryview) -> None:
+        """A capsule arrived; `data` is valid only until this call returns."""
+
+    def on_done(self, token: int, error: TransportError | None) -> None:
+        """The operation posted with `token` finished (error: the link failed)."""
+
+
+class AgentLink(abc.ABC):
+    """The agent side of one session's data plane, driven by the reactor thread.
+
+    Completion semantics: `on_done(token, None)` means the operation posted with that
+    token, and every operation posted before it on this link, finished: the data of
+    a READ is in the staging buffer, a WRITE's source buffer may be reused. An
+    operation posted with token None reports nothing; the caller follows it with one
+    that has a token (a job's last WRITE is followed by its COMPLETION's SEND).
+
+    Once the link fails, every outstanding token is reported with the error (once),
+    `error` is set, and later posts raise it.
+    """
+
+    error: TransportError | None
+    needs_polling: bool = False
+    """True: completions must be polled (verbs), so the reactor polls the link while
+    operations are outstanding and for a while after; False: the descriptor's readiness
+    says when to poll (tcp)."""
+
+    @property
     @abc.abstractmethod
-    async def close(self) -> None:
-        """Release everything; pending operations fail with TransportError. Idempotent."""
+    def address(self) -> PeerAddress | None:
+        """This side's address, returned to the host in OpenSession."""
 
-    async def __aenter__(self) -> Self:
-        return self
+    @abc.abstractmethod
+    def staging(self, length: int) -> Region:
+        """DPU memory usable as READ destination and WRITE source (local only)."""
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+    @abc.abstractmethod
+    def release(self, region: Region) -> None:
+        """Return a staging region (no operation may still use it)."""
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """The descriptor the reactor waits on (readable: call `on_event`, then `poll`)."""
+
+    @abc.abstractmethod
+    def on_event(self) -> None:
+        """`fileno()` was reported ready: consume what woke the reactor."""
+
+    @property
+    @abc.abstractmethod
+    def outstanding(self) -> int:
+        """Operations posted and not finished (the reactor keeps polling while > 0)."""
+
+    @property
+    def wants_write(self) -> bool:
+        """Whether bytes wait for the descriptor to become writable (tcp)."""
+        return False
+
+    @abc.abstractmethod
+    def room(self) -> int:
+        """How many more operations can be posted now."""
+
+    @abc.abstractmethod
+    def post_read(  # noqa: PLR0913, PLR0917 - an RDMA READ's operands
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int
     ) -> None:
-        await self.close()
-
-
-class CapsuleLink(_Closeable):
-    """Ordered capsule exchange, the part both sides share."""
+        """READ `length` bytes at host (`addr`, `rkey`) into `local[offset:]`."""
 
     @abc.abstractmethod
-    async def send(self, capsule: bytes) -> None:
-        """Send one capsule (at most `dpu_wire.capsule.MAX_CAPSULE` bytes)."""
+    def post_write(  # noqa: PLR0913, PLR0917 - an RDMA WRITE's operands
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int | None
+    ) -> None:
+        """WRITE `local[offset:offset+length]` to host (`addr`, `rkey`)."""
 
     @abc.abstractmethod
-    async def recv(self) -> bytes:
-        """The next capsule from the peer; TransportError when the link is gone."""
+    def post_send(self, capsule: bytes, token: int | None = None) -> None:
+        """SEND one capsule (at most `MAX_CAPSULE` bytes)."""
+
+    @abc.abstractmethod
+    def flush(self) -> None:
+        """Push out what was posted (tcp: write the queued frames; verbs: nothing)."""
+
+    @abc.abstractmethod
+    def poll(self, sink: LinkSink, budget: int) -> int:
+        """Take up to about `budget` completions and capsules; return how many."""
+
+    @abc.abstractmethod
+    def arm(self, sink: LinkSink) -> bool:
+        """Prepare to sleep on `fileno()`; False if work arrived meanwhile (given to `sink`)."""
+
+    def overdue(self, now: float) -> bool:  # noqa: ARG002 - verbs: RC retries bound it
+        """Whether an operation is outstanding past the link's limit (monotonic `now`)."""
+        return False
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything; a second call does nothing. Reports nothing."""
 
 
-class HostTransport(CapsuleLink):
-    """The host side of a session's data plane."""
+class HostLink(abc.ABC):
+    """The host side of a session's data plane, on the SDK's asyncio loop."""
 
     @property
     @abc.abstractmethod
@@ -132,59 +221,34 @@ class HostTransport(CapsuleLink):
     def deregister(self, region: Region) -> None:
         """Withdraw a region: the agent's later accesses to it fail."""
 
-
-class AgentTransport(CapsuleLink):
-    """The agent side of a session's data plane."""
-
-    @property
     @abc.abstractmethod
-    def address(self) -> PeerAddress | None:
-        """This side's address, returned to the host (None: nothing to return)."""
+    def start(
+        self,
+        on_capsule: Callable[[memoryview], None],
+        on_failure: Callable[[TransportError], None],
+        expecting: Callable[[], bool],
+    ) -> None:
+        """Deliver received capsules and the link's failure (once) from now on.
 
-    @abc.abstractmethod
-    async def connect(self, host: PeerAddress) -> None:
-        """Connect to the host side whose address came in OpenSession."""
-
-    @abc.abstractmethod
-    def staging(self, length: int) -> Region:
-        """DPU memory usable as READ destination and WRITE source (local only)."""
+        `expecting()` says whether answers are due (jobs in flight): a verbs link
+        polls its completion queue eagerly while they are, and sleeps otherwise.
+        """
 
     @abc.abstractmethod
-    def release(self, region: Region) -> None:
-        """Return a staging region."""
+    def send(self, capsules: Sequence[bytes]) -> None:
+        """Send capsules in order, without blocking; TransportError once failed."""
 
     @abc.abstractmethod
-    async def read(self, local: Region, offset: int, length: int, addr: int, rkey: int) -> None:
-        """RDMA READ `length` bytes at host (`addr`, `rkey`) into `local[offset:]`."""
+    async def close(self) -> None:
+        """Release everything; a second call does nothing."""
 
-    @abc.abstractmethod
-    async def write(self, local: Region, offset: int, length: int, addr: int, rkey: int) -> None:
-        """RDMA WRITE `local[offset:offset+length]` to host (`addr`, `rkey`)."""
+    async def __aenter__(self) -> Self:
+        return self
 
-
-class CapsuleInbox:
-    """Received capsules in order; once failed, every later `get` raises the same error."""
-
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[bytes | TransportError] = asyncio.Queue()
-        self.error: TransportError | None = None
-
-    def put(self, capsule: bytes) -> None:
-        """Deliver a capsule."""
-        self._queue.put_nowait(capsule)
-
-    def fail(self, error: TransportError) -> bool:
-        """Record the link's failure once; False if it had already failed."""
-        if self.error is not None:
-            return False
-        self.error = error
-        self._queue.put_nowait(error)
-        return True
-
-    async def get(self) -> bytes:
-        """The next capsule, or the link's TransportError."""
-        item = await self._queue.get()
-        if isinstance(item, TransportError):
-            self._queue.put_nowait(item)  # every later get fails the same way
-            raise item
-        return item
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

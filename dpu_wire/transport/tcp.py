@@ -1,7 +1,10 @@
 """The tcp transport: RC queue-pair semantics over one TCP connection.
 
 The host side listens; the agent connects to the address the host sent in
-OpenSession. Frames (little-endian), a 24-byte header and an optional payload:
+OpenSession, and the two sides prove to each other that the connection belongs to the
+session before anything else crosses it (HELLO frames carrying the tokens exchanged
+over the authenticated gRPC session, docs/data-plane.md section 1.3). Frames
+(little-endian), a 24-byte header and an optional payload:
 
     type u8 | status u8 | reserved u16 | req_id u32 | addr u64 | rkey u32 | length u32
 
@@ -10,31 +13,36 @@ OpenSession. Frames (little-endian), a 24-byte header and an optional payload:
     3 READ_RESP  host → agent  status 0: payload is the bytes; else no payload
     4 WRITE      agent → host  payload: `length` bytes for (addr, rkey)
     5 WRITE_ACK  host → agent  status 0: placed; else refused
+    6 HELLO      either way    payload: the sender's 32-byte session token (first frame)
 
 The host checks every READ and WRITE against its registered regions (rkey, bounds,
-access) like an RDMA NIC; a refused access answers status 1 and the connection goes
-on. Payloads go straight between sockets and region memory (recv_into), no
-intermediate buffers on either side.
+access) like an RDMA NIC; a refused access is answered with status 1 and then, as on
+verbs where it moves both queue pairs to the error state, the session's data plane is
+over on both sides. Payloads go straight between sockets and region memory (recv_into
+the destination, sendmsg from the source), and frames are batched: many per system
+call in each direction (`FrameStream`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
+import hmac
 import logging
 import secrets
 import socket
 import struct
+import time
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from dpu_wire.capsule import MAX_CAPSULE
 from dpu_wire.transport import _memory
 from dpu_wire.transport.base import (
     Access,
-    AgentTransport,
-    CapsuleInbox,
-    HostTransport,
+    AgentLink,
+    HostLink,
     PeerAddress,
     PeerClosed,
     Region,
@@ -45,30 +53,55 @@ from dpu_wire.transport.base import (
 
 if TYPE_CHECKING:
     import mmap
+    from collections.abc import Callable, Sequence
+
+    from dpu_wire.transport.base import LinkSink
 
 log = logging.getLogger(__name__)
 
 FRAME = struct.Struct("<BBHIQII")
 STATUS_OK: Final = 0
 STATUS_ACCESS: Final = 1
-CONNECT_TIMEOUT: Final = 30.0
+TOKEN_BYTES: Final = 32
+CONNECT_TIMEOUT: Final = 5.0  # the agent's connect() to the host's listener
+HELLO_TIMEOUT: Final = 3.0  # each side's wait for the other's HELLO (sent at once)
+OP_TIMEOUT: Final = 30.0  # a READ or WRITE the host leaves unanswered this long fails the link
+MAX_CANDIDATES: Final = 8  # connections a host holds while it waits for the agent's HELLO
+_RX_BUFFER: Final = 1 << 16
+_IOV_MAX: Final = 512  # buffers per sendmsg (Linux IOV_MAX is 1024)
+_SEND_CHUNK: Final = 1 << 22  # bytes per sendmsg: keeps one session from hogging the loop
 
 
-class _Type(enum.IntEnum):
+class FrameType(enum.IntEnum):
+    """The frame types (docs/data-plane.md section 3)."""
+
     CAPSULE = 1
     READ = 2
     READ_RESP = 3
     WRITE = 4
     WRITE_ACK = 5
+    HELLO = 6
 
 
-class _Frame(NamedTuple):
-    kind: _Type
+_TYPES: Final = frozenset(int(t) for t in FrameType)
+
+
+class Frame(NamedTuple):
+    """A frame header."""
+
+    kind: int
     status: int = 0
     req_id: int = 0
     addr: int = 0
     rkey: int = 0
     length: int = 0
+
+
+def pack(  # noqa: PLR0913, PLR0917 - a frame header's fields, positional: hot path
+    kind: int, status: int = 0, req_id: int = 0, addr: int = 0, rkey: int = 0, length: int = 0
+) -> bytes:
+    """A frame header."""
+    return FRAME.pack(kind, status, 0, req_id, addr, rkey, length)
 
 
 class MemoryRegion(Region):
@@ -91,143 +124,606 @@ class MemoryRegion(Region):
             self._mm = None
 
 
-class _FramedSocket:
-    """Frame I/O on a non-blocking socket through the event loop."""
+class FrameHandler:
+    """What a `FrameStream` asks and tells about the frames it receives."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def payload_target(self, frame: Frame) -> memoryview | None:
+        """Where the frame's payload goes (exactly `frame.length` bytes); None: discard it."""
+        raise NotImplementedError
+
+    def on_frame(self, frame: Frame, payload: memoryview | None) -> None:
+        """A whole frame arrived (its payload, if any, is in the target)."""
+        raise NotImplementedError
+
+
+class FrameStream:
+    """Frames over a non-blocking socket: batched receive and scatter-gather send.
+
+    Receiving reads as much as the socket has into a buffer and parses every frame in
+    it; a payload goes to the target the handler names, copied from the buffer or read
+    into the target directly when it is large. Sending queues headers and payload
+    views and writes them with `sendmsg`, many frames per call, keeping each frame's
+    header and payload contiguous in the stream. Not thread-safe: one owner.
+    """
+
+    def __init__(self, sock: socket.socket, handler: FrameHandler) -> None:
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with contextlib.suppress(OSError):  # not a TCP socket in some tests
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
-        self._loop = asyncio.get_running_loop()
-        self._send_lock = asyncio.Lock()
-        self._header = bytearray(FRAME.size)
+        self._handler = handler
+        self._rx = bytearray(_RX_BUFFER)
+        self._rxv = memoryview(self._rx)
+        self._start = 0  # parsed up to here
+        self._end = 0  # received up to here
+        self._frame: Frame | None = None  # header parsed, payload pending
+        self._target: memoryview | None = None
+        self._got = 0
+        self._discard = 0  # payload bytes still to drop
+        self._tx: collections.deque[memoryview] = collections.deque()
+        self._tx_callbacks: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        self._queued = 0  # bytes queued ever
+        self._sent = 0  # bytes sent ever
+        self.closed = False
 
-    async def send(self, frame: _Frame, payload: memoryview | bytes | None = None) -> None:
-        header = FRAME.pack(
-            frame.kind, frame.status, 0, frame.req_id, frame.addr, frame.rkey, frame.length
-        )
+    # -- receive
+
+    def receive(self, budget: int = 1 << 20) -> int:
+        """Read what the socket has (about `budget` bytes at most); return frames handled.
+
+        Raises PeerClosed at end of stream, TransportError on a socket error or a frame
+        the handler refuses.
+        """
+        frames = 0
+        received = 0
+        while received < budget:
+            if self._target is not None and self._got < len(self._target) and not self._buffered:
+                n = self._recv_into(self._target[self._got :])  # large payload: no copy
+                if n is None:
+                    return frames
+                received += n
+                self._got += n
+                if self._got == len(self._target):
+                    frames += self._finish_payload()
+                continue
+            if self._start == self._end:
+                self._start = self._end = 0
+            elif len(self._rx) - self._end < FRAME.size:  # move the tail to the front
+                tail = self._end - self._start
+                self._rx[:tail] = self._rx[self._start : self._end]
+                self._start, self._end = 0, tail
+            n = self._recv_into(self._rxv[self._end :])
+            if n is None:
+                return frames
+            received += n
+            self._end += n
+            frames += self._parse()
+        return frames
+
+    @property
+    def _buffered(self) -> int:
+        return self._end - self._start
+
+    def _recv_into(self, view: memoryview) -> int | None:
         try:
-            async with self._send_lock:
-                await self._loop.sock_sendall(self.sock, header)
-                if payload is not None and len(payload):
-                    await self._loop.sock_sendall(self.sock, payload)
+            n = self.sock.recv_into(view)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except ConnectionResetError as exc:
+            raise PeerClosed(f"tcp data plane reset by the peer: {exc}") from exc
         except OSError as exc:
-            raise TransportError(f"tcp data plane send failed: {exc}") from exc
+            raise TransportError(f"tcp data plane receive failed: {exc}") from exc
+        if n == 0:
+            raise PeerClosed("tcp data plane closed by the peer")
+        return n
 
-    async def recv_into(self, view: memoryview) -> None:
-        """Fill `view` exactly, or raise TransportError if the peer closed."""
-        got = 0
-        while got < len(view):
+    def _parse(self) -> int:
+        """Handle the frames in the buffer; return how many finished."""
+        frames = 0
+        while True:
+            if self._discard or self._target is not None:
+                finished = self._feed_payload()
+                if not finished:
+                    return frames
+                frames += finished
+                continue
+            if self._buffered < FRAME.size:
+                return frames
+            kind, status, _reserved, req_id, addr, rkey, length = FRAME.unpack_from(
+                self._rx, self._start
+            )
+            self._start += FRAME.size
+            if kind not in _TYPES:
+                raise TransportError(f"tcp data plane: unknown frame type {kind}")
+            frame = Frame(kind, status, req_id, addr, rkey, length)
+            if not self._has_payload(frame):
+                self._handler.on_frame(frame, None)
+                frames += 1
+                continue
+            target = self._handler.payload_target(frame)
+            self._frame = frame
+            if target is not None and len(target) != length:
+                raise TransportError("tcp data plane: payload target of the wrong size")
+            self._target, self._got, self._discard = target, 0, 0 if target is not None else length
+            if not length:
+                frames += self._finish_payload()
+
+    def _feed_payload(self) -> int:
+        """Move buffered bytes into the pending payload; 1 if it is now whole, else 0."""
+        if self._target is None:
+            drop = min(self._discard, self._buffered)
+            self._start += drop
+            self._discard -= drop
+            return 0 if self._discard else self._finish_payload()
+        take = min(len(self._target) - self._got, self._buffered)
+        self._target[self._got : self._got + take] = self._rxv[self._start : self._start + take]
+        self._start += take
+        self._got += take
+        if self._got < len(self._target):
+            return 0  # the rest is read straight into the target
+        return self._finish_payload()
+
+    @staticmethod
+    def _has_payload(frame: Frame) -> bool:
+        if frame.kind in (FrameType.CAPSULE, FrameType.WRITE, FrameType.HELLO):
+            return True
+        return frame.kind == FrameType.READ_RESP and frame.status == STATUS_OK
+
+    def _finish_payload(self) -> int:
+        frame, target = self._frame, self._target
+        assert frame is not None  # noqa: S101 - a payload belongs to a frame
+        self._frame, self._target, self._got, self._discard = None, None, 0, 0
+        self._handler.on_frame(frame, target)
+        return 1
+
+    # -- send
+
+    def queue(
+        self,
+        header: bytes,
+        payload: bytes | memoryview | None = None,
+        sent: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue a frame; `sent` is called once its last byte went to the kernel."""
+        self._tx.append(memoryview(header))
+        self._queued += len(header)
+        if payload is not None and len(payload):
+            view = memoryview(payload).cast("B")
+            self._tx.append(view)
+            self._queued += len(view)
+        if sent is not None:
+            self._tx_callbacks.append((self._queued, sent))
+
+    @property
+    def wants_write(self) -> bool:
+        """Whether bytes are queued."""
+        return bool(self._tx)
+
+    def flush(self) -> bool:
+        """Write what the socket takes now; True when nothing is left queued."""
+        tx = self._tx
+        while tx:
+            batch: list[memoryview] = []
+            size = 0
+            for view in tx:
+                batch.append(view)
+                size += len(view)
+                if len(batch) >= _IOV_MAX or size >= _SEND_CHUNK:
+                    break
             try:
-                n = await self._loop.sock_recv_into(self.sock, view[got:])
-            except ConnectionResetError as exc:
-                raise PeerClosed(f"tcp data plane reset by the peer: {exc}") from exc
+                n = self.sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
+                return False
             except OSError as exc:
-                raise TransportError(f"tcp data plane receive failed: {exc}") from exc
-            if n == 0:
-                raise PeerClosed("tcp data plane closed by the peer")
-            got += n
-
-    async def discard(self, length: int) -> None:
-        """Read and drop `length` payload bytes."""
-        scratch = memoryview(bytearray(min(length, 1 << 16) or 1))
-        while length:
-            chunk = min(length, len(scratch))
-            await self.recv_into(scratch[:chunk])
-            length -= chunk
-
-    async def recv_header(self) -> _Frame:
-        """The header of the next frame."""
-        await self.recv_into(memoryview(self._header))
-        kind, status, _reserved, req_id, addr, rkey, length = FRAME.unpack(self._header)
-        if kind not in _Type._value2member_map_:
-            raise TransportError(f"tcp data plane: unknown frame type {kind}")
-        return _Frame(_Type(kind), status, req_id, addr, rkey, length)
+                raise TransportError(f"tcp data plane send failed: {exc}") from exc
+            self._sent += n
+            left = n
+            while left:
+                head = tx[0]
+                if left >= len(head):
+                    left -= len(head)
+                    tx.popleft()
+                else:
+                    tx[0] = head[left:]
+                    left = 0
+            callbacks = self._tx_callbacks
+            while callbacks and callbacks[0][0] <= self._sent:
+                callbacks.popleft()[1]()
+            if n < size:
+                return False  # the socket's buffer is full
+        return True
 
     def close(self) -> None:
+        """Close the socket; queued bytes are dropped."""
+        if self.closed:
+            return
+        self.closed = True
+        self._tx.clear()
+        self._tx_callbacks.clear()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
 
-async def _recv_capsule(conn: _FramedSocket, length: int) -> bytes:
-    if length > MAX_CAPSULE:
-        raise TransportError(f"capsule of {length} bytes exceeds {MAX_CAPSULE}")
-    buf = bytearray(length)
-    await conn.recv_into(memoryview(buf))
-    return bytes(buf)
+# ---------------------------------------------------------------- the handshake
 
 
-class _Link:
-    """What both sides share: the connection, the capsule queue and the reader task."""
-
-    def __init__(self) -> None:
-        self._conn: _FramedSocket | None = None
-        self._inbox = CapsuleInbox()
-        self._reader: asyncio.Task[None] | None = None
-        self._closed = False
-
-    async def send(self, capsule: bytes) -> None:
-        """Send a capsule to the peer."""
-        if self._conn is None or self._inbox.error is not None:
-            raise self._inbox.error or TransportError("not connected")
-        await self._conn.send(_Frame(_Type.CAPSULE, length=len(capsule)), capsule)
-
-    async def recv(self) -> bytes:
-        """The next capsule from the peer."""
-        return await self._recv()
-
-    async def _close_link(self) -> bool:
-        """Fail the link, stop the reader, close the socket; False if already closed."""
-        if self._closed:
-            return False
-        self._closed = True
-        self._fail(TransportError("transport closed"))
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        if self._conn is not None:
-            self._conn.close()
-        return True
-
-    def _fail(self, error: TransportError) -> None:
-        self._inbox.fail(error)
-
-    async def _recv(self) -> bytes:
-        if self._closed:
-            raise TransportError("transport is closed")
-        return await self._inbox.get()
+def new_token() -> bytes:
+    """A fresh session token for a HELLO."""
+    return secrets.token_bytes(TOKEN_BYTES)
 
 
-class TcpHostTransport(_Link, HostTransport):
-    """Host side: listens for the agent and serves its READ/WRITE on registered regions."""
+async def _read_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """The token of the peer's first frame, which must be a HELLO; TransportError if not."""
+    buf = bytearray(FRAME.size + TOKEN_BYTES)
+    view = memoryview(buf)
+    got = 0
+    while got < FRAME.size:
+        n = await loop.sock_recv_into(sock, view[got : FRAME.size])
+        if n == 0:
+            raise PeerClosed("closed before its HELLO")
+        got += n
+    kind, _status, _reserved, _req, _addr, _rkey, length = FRAME.unpack_from(buf)
+    if kind != FrameType.HELLO or length != TOKEN_BYTES:
+        raise TransportError("the first frame is not a HELLO with a session token")
+    while got < len(buf):
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise PeerClosed("closed in its HELLO")
+        got += n
+    return bytes(buf[FRAME.size :])
 
-    def __init__(self, bind_host: str = "127.0.0.1", advertise_host: str | None = None) -> None:
-        _Link.__init__(self)
-        self._listener = socket.create_server((bind_host, 0))
-        self._listener.setblocking(False)
-        port = self._listener.getsockname()[1]
-        self._address = TcpAddress(advertise_host or bind_host, port)
-        self._regions: dict[int, MemoryRegion] = {}
+
+def _check_token(token: bytes, expected: bytes) -> None:
+    if not hmac.compare_digest(token, expected):
+        raise TransportError("the peer did not present the session's token")
+
+
+def _hello(token: bytes) -> bytes:
+    return pack(FrameType.HELLO, length=len(token)) + token
+
+
+async def dial(
+    host: TcpAddress,
+    *,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    hello_timeout: float = HELLO_TIMEOUT,
+) -> tuple[socket.socket, bytes]:
+    """The agent's side of the handshake: connect, check the host's HELLO, send ours.
+
+    Nothing is sent to the listener before it proved, with the token the host gave in
+    OpenSession, that it is the session's host. Returns the connected socket and the
+    agent's token (sent in its HELLO, and returned to the host in OpenSession). Every
+    failure raises TransportError with the same message: a caller learns nothing about
+    the address it named (closed, filtered, or something else listening).
+    """
+    loop = asyncio.get_running_loop()
+    sock: socket.socket | None = None
+    try:
+        async with asyncio.timeout(connect_timeout):
+            infos = await loop.getaddrinfo(host.host, host.port, type=socket.SOCK_STREAM)
+            family, socktype, proto, _, sockaddr = infos[0]
+            sock = socket.socket(family, socktype, proto)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, sockaddr)
+        async with asyncio.timeout(hello_timeout):
+            _check_token(await _read_hello(loop, sock), host.token)
+            mine = new_token()
+            await loop.sock_sendall(sock, _hello(mine))
+    except (OSError, TimeoutError, ValueError, TransportError) as exc:
+        log.debug("tcp data plane handshake failed", extra={"error": repr(exc)})
+        if sock is not None:
+            sock.close()
+        raise TransportError("cannot connect the data plane to the host") from None
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    return sock, mine
+
+
+# ---------------------------------------------------------------- the agent side
+
+
+class _Request(NamedTuple):
+    kind: int  # FrameType.READ or FrameType.WRITE
+    target: memoryview | None  # READ: where the answer goes
+    token: int | None
+    sent: float  # monotonic time it was queued
+
+
+class TcpAgentLink(AgentLink, FrameHandler):
+    """Agent side: moves bytes with READ/WRITE frames; driven by the reactor.
+
+    Made from the socket `dial` returned. An answer must match the type and id of an
+    outstanding request (a READ_RESP answers a READ, a WRITE_ACK a WRITE, with the same
+    req_id and, for a READ, the same length); anything else ends the link, and so does
+    a refusal. A request unanswered for `op_timeout` seconds ends it too.
+    """
+
+    def __init__(
+        self, sock: socket.socket, token: bytes, *, op_timeout: float = OP_TIMEOUT
+    ) -> None:
+        self._stream = FrameStream(sock, self)
+        self._token = token
+        self._op_timeout = op_timeout
+        self._next_req = 1
+        self._requests: dict[int, _Request] = {}
+        self._capsule = bytearray(MAX_CAPSULE)
+        self._sink: LinkSink | None = None
+        self._done: list[int] = []  # tokens finished by sends, reported at the next poll
+        self.error = None
 
     @property
     def address(self) -> TcpAddress:
-        """Where the agent connects."""
+        """The agent's token, for the host to check against its HELLO."""
+        return TcpAddress("", 0, self._token)
+
+    def staging(self, length: int) -> MemoryRegion:
+        """Local memory for READ destinations and WRITE sources."""
+        return MemoryRegion(length, Access.NONE, 0)
+
+    def release(self, region: Region) -> None:
+        """Free a staging region."""
+        if isinstance(region, MemoryRegion):
+            region.close()
+
+    def fileno(self) -> int:
+        """The socket."""
+        return self._stream.sock.fileno()
+
+    def on_event(self) -> None:
+        """Nothing to consume: `poll` reads the socket."""
+
+    @property
+    def outstanding(self) -> int:
+        """READ and WRITE requests not answered yet."""
+        return len(self._requests)
+
+    @property
+    def wants_write(self) -> bool:
+        """Frames wait for the socket."""
+        return self._stream.wants_write
+
+    def room(self) -> int:
+        """Always room: the socket buffers and TCP flow control pace the sender."""
+        return 1 << 30
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _request(self, kind: int, target: memoryview | None, token: int | None) -> int:
+        req_id = self._next_req
+        self._next_req = (req_id + 1) & 0xFFFF_FFFF or 1
+        if req_id in self._requests:  # 2**32 requests behind: the host stopped answering
+            raise self._fail(TransportError("request ids wrapped onto an unanswered request"))
+        self._requests[req_id] = _Request(kind, target, token, time.monotonic())
+        return req_id
+
+    def post_read(  # noqa: PLR0913, PLR0917 - an RDMA READ's operands
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int
+    ) -> None:
+        """Queue a READ frame; the answer lands in `local[offset:offset+length]`."""
+        self._check()
+        req_id = self._request(FrameType.READ, local.view[offset : offset + length], token)
+        self._stream.queue(pack(FrameType.READ, 0, req_id, addr, rkey, length))
+
+    def post_write(  # noqa: PLR0913, PLR0917 - an RDMA WRITE's operands
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int | None
+    ) -> None:
+        """Queue a WRITE frame with its payload (sent from `local` without a copy)."""
+        self._check()
+        req_id = self._request(FrameType.WRITE, None, token)
+        header = pack(FrameType.WRITE, 0, req_id, addr, rkey, length)
+        self._stream.queue(header, local.view[offset : offset + length])
+
+    def post_send(self, capsule: bytes, token: int | None = None) -> None:
+        """Queue a CAPSULE frame; `token` is done once it (and what came before) is sent."""
+        self._check()
+        if len(capsule) > MAX_CAPSULE:
+            raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
+        sent = None if token is None else (lambda: self._done.append(token))
+        self._stream.queue(pack(FrameType.CAPSULE, length=len(capsule)), capsule, sent)
+
+    def flush(self) -> None:
+        """Write the queued frames the socket takes now."""
+        if self.error is not None:
+            return
+        try:
+            self._stream.flush()
+        except TransportError as exc:
+            self._fail(exc)
+
+    def poll(self, sink: LinkSink, budget: int) -> int:
+        """Read and handle what arrived; report finished sends and failures."""
+        taken = 0
+        if self.error is None:
+            self._sink = sink
+            try:
+                taken = self._stream.receive(budget * MAX_CAPSULE)
+            except TransportError as exc:
+                self._fail(exc)
+            finally:
+                self._sink = None
+        done, self._done = self._done, []
+        for token in done:
+            sink.on_done(token, self.error)
+        if self.error is not None and self._requests:
+            failed, self._requests = self._requests, {}
+            for request in failed.values():
+                if request.token is not None:
+                    sink.on_done(request.token, self.error)
+        return taken + len(done)
+
+    def payload_target(self, frame: Frame) -> memoryview | None:
+        """FrameHandler: capsules into a small buffer, READ answers into the staging memory."""
+        if frame.kind == FrameType.CAPSULE:
+            if frame.length > MAX_CAPSULE:
+                raise TransportError(f"capsule of {frame.length} bytes exceeds {MAX_CAPSULE}")
+            return memoryview(self._capsule)[: frame.length]
+        if frame.kind == FrameType.READ_RESP:
+            request = self._answered(frame, FrameType.READ)
+            if request.target is None or frame.length != len(request.target):
+                raise TransportError("a READ_RESP does not match its READ's length")
+            return request.target
+        raise TransportError(f"unexpected frame {FrameType(frame.kind).name} from the host")
+
+    def on_frame(self, frame: Frame, payload: memoryview | None) -> None:
+        """FrameHandler: hand capsules over; finish answered requests."""
+        sink = self._sink
+        assert sink is not None  # noqa: S101 - only inside poll()
+        if frame.kind == FrameType.CAPSULE:
+            assert payload is not None  # noqa: S101 - capsules have a target
+            sink.on_capsule(payload)
+            return
+        if frame.kind not in (FrameType.READ_RESP, FrameType.WRITE_ACK):
+            raise TransportError(f"unexpected frame {FrameType(frame.kind).name} from the host")
+        kind = FrameType.READ if frame.kind == FrameType.READ_RESP else FrameType.WRITE
+        request = self._answered(frame, kind)
+        if frame.status != STATUS_OK:  # the request stays: the failure reports its token
+            raise RemoteAccessError(
+                f"the host refused a {kind.name} (rkey, bounds or access): the data plane is over"
+            )
+        del self._requests[frame.req_id]
+        if request.token is not None:
+            sink.on_done(request.token, None)
+
+    def _answered(self, frame: Frame, kind: FrameType) -> _Request:
+        request = self._requests.get(frame.req_id)
+        if request is None or request.kind != kind:
+            raise TransportError(
+                f"a {FrameType(frame.kind).name} answers no outstanding {kind.name} "
+                f"(req_id {frame.req_id})"
+            )
+        return request
+
+    def arm(self, sink: LinkSink) -> bool:
+        """Ready to sleep (the socket's readiness wakes the reactor) once sends are reported.
+
+        A send's token is done when its bytes went to the kernel, which `flush` finds
+        after the pass's poll: those are reported here, and the link stays awake for
+        one more pass so its owner can act on them.
+        """
+        if not self._done:
+            return True
+        done, self._done = self._done, []
+        for token in done:
+            sink.on_done(token, self.error)
+        return False
+
+    def overdue(self, now: float) -> bool:
+        """Whether the oldest request waited longer than the link's limit (then it fails)."""
+        if not self._requests or self.error is not None:
+            return False
+        oldest = next(iter(self._requests.values())).sent
+        if now - oldest <= self._op_timeout:
+            return False
+        self._fail(
+            TransportError(f"the host left a READ or WRITE unanswered for {self._op_timeout:g} s")
+        )
+        return True
+
+    def _fail(self, error: TransportError) -> TransportError:
+        if self.error is None:
+            self.error = error
+            log.warning("tcp data plane failed: %s", error)
+            self._stream.close()
+        return self.error
+
+    def close(self) -> None:
+        """Close the socket. Idempotent; reports nothing."""
+        if self.error is None:
+            self.error = TransportError("transport closed")
+        self._requests.clear()
+        self._stream.close()
+
+
+# ---------------------------------------------------------------- the host side
+
+
+class TcpHostLink(HostLink, FrameHandler):
+    """Host side: listens for the agent and serves its READ/WRITE on registered regions.
+
+    The listener is open from construction: connections are accepted at once (while
+    OpenSession is in flight), each is sent the host's HELLO, and `connect` keeps the
+    one whose HELLO carries the agent's token from OpenSession.
+    """
+
+    def __init__(self, bind_host: str = "127.0.0.1", advertise_host: str | None = None) -> None:
+        self._listener = socket.create_server((bind_host, 0))
+        self._listener.setblocking(False)
+        port = self._listener.getsockname()[1]
+        self._token = new_token()
+        self._address = TcpAddress(advertise_host or bind_host, port, self._token)
+        self._regions: dict[int, MemoryRegion] = {}
+        self._stream: FrameStream | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._acceptor: asyncio.Task[None] | None = None
+        self._candidates: asyncio.Queue[socket.socket] = asyncio.Queue(MAX_CANDIDATES)
+        self._capsule = bytearray(MAX_CAPSULE)
+        self._on_capsule: Callable[[memoryview], None] | None = None
+        self._on_failure: Callable[[TransportError], None] | None = None
+        self._writing = False
+        self.error: TransportError | None = None
+        self._closed = False
+
+    @property
+    def address(self) -> TcpAddress:
+        """Where the agent connects, and the token this side presents."""
         return self._address
 
-    async def connect(self, agent: PeerAddress | None) -> None:  # noqa: ARG002 - tcp: agent dials in
-        """Accept the agent's connection (it dials in while answering OpenSession)."""
+    def _start_accepting(self) -> None:
+        if self._acceptor is None:
+            self._loop = asyncio.get_running_loop()
+            self._acceptor = self._loop.create_task(self._accept(), name="tcp-host-accept")
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            sock.setblocking(False)
+            try:
+                await loop.sock_sendall(sock, _hello(self._token))
+                self._candidates.put_nowait(sock)
+            except (OSError, asyncio.QueueFull):
+                sock.close()
+
+    def listen(self) -> None:
+        """Start accepting connections (call before OpenSession, on the session's loop)."""
+        self._start_accepting()
+
+    async def connect(self, agent: PeerAddress | None) -> None:
+        """Keep the connection whose HELLO carries the agent's token; close the others."""
+        if not isinstance(agent, TcpAddress) or len(agent.token) != TOKEN_BYTES:
+            raise TransportError("the agent's answer carries no tcp session token")
+        self._start_accepting()
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(CONNECT_TIMEOUT):
-                sock, _ = await loop.sock_accept(self._listener)
+            async with asyncio.timeout(CONNECT_TIMEOUT + HELLO_TIMEOUT):
+                while True:
+                    sock = await self._candidates.get()
+                    try:
+                        async with asyncio.timeout(HELLO_TIMEOUT):
+                            token = await _read_hello(loop, sock)
+                    except (OSError, TimeoutError, TransportError):
+                        sock.close()
+                        continue
+                    if hmac.compare_digest(token, agent.token):
+                        break
+                    sock.close()
         except TimeoutError:
-            raise TransportError(f"agent did not connect within {CONNECT_TIMEOUT} s") from None
+            raise TransportError("the agent did not connect with the session's token") from None
         finally:
-            self._listener.close()
-        self._conn = _FramedSocket(sock)
-        self._reader = asyncio.create_task(self._serve(self._conn), name="tcp-host-reader")
+            self._stop_accepting()
+        self._stream = FrameStream(sock, self)
+
+    def _stop_accepting(self) -> None:
+        if self._acceptor is not None:
+            self._acceptor.cancel()
+        self._listener.close()
+        while not self._candidates.empty():
+            self._candidates.get_nowait().close()
 
     def register(self, length: int, access: Access) -> MemoryRegion:
         """Allocate `length` bytes the agent may access as `access` allows."""
@@ -239,166 +735,145 @@ class TcpHostTransport(_Link, HostTransport):
         return region
 
     def deregister(self, region: Region) -> None:
-        """Forget the region; later accesses by the agent are refused."""
+        """Forget the region; later accesses by the agent are refused (and end the link)."""
         mine = self._regions.pop(region.rkey, None)
         if mine is not None:
             mine.close()
 
-    def _lookup(self, addr: int, rkey: int, length: int, need: Access) -> memoryview | None:
-        region = self._regions.get(rkey)
-        if region is None or not region.access & need:
-            return None
-        offset = addr - region.addr
-        if offset < 0 or offset + length > region.length:
-            return None
-        return region.view[offset : offset + length]
+    def start(
+        self,
+        on_capsule: Callable[[memoryview], None],
+        on_failure: Callable[[TransportError], None],
+        expecting: Callable[[], bool],  # noqa: ARG002 - the socket wakes this side
+    ) -> None:
+        """Serve the agent's frames on this loop from now on."""
+        if self._stream is None:
+            raise TransportError("not connected")
+        self._loop = asyncio.get_running_loop()
+        self._on_capsule, self._on_failure = on_capsule, on_failure
+        self._loop.add_reader(self._stream.sock.fileno(), self._readable)
 
-    async def _serve(self, conn: _FramedSocket) -> None:
+    def send(self, capsules: Sequence[bytes]) -> None:
+        """Queue CAPSULE frames and write what the socket takes now."""
+        if self.error is not None:
+            raise self.error
+        stream = self._stream
+        if stream is None:
+            raise TransportError("not connected")
+        for capsule in capsules:
+            if len(capsule) > MAX_CAPSULE:
+                raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
+            stream.queue(pack(FrameType.CAPSULE, length=len(capsule)), capsule)
+        self._flush()
+
+    def _readable(self) -> None:
+        stream = self._stream
+        if stream is None or self.error is not None:
+            return
         try:
-            while True:
-                await self._handle(conn, await conn.recv_header())
+            stream.receive()
         except TransportError as exc:
             self._fail(exc)
+            return
+        self._flush()
 
-    async def _handle(self, conn: _FramedSocket, frame: _Frame) -> None:
-        if frame.kind == _Type.CAPSULE:
-            self._inbox.put(await _recv_capsule(conn, frame.length))
-        elif frame.kind == _Type.READ:
-            view = self._lookup(frame.addr, frame.rkey, frame.length, Access.REMOTE_READ)
+    def _flush(self) -> None:
+        stream = self._stream
+        if stream is None or self.error is not None:
+            return
+        try:
+            done = stream.flush()
+        except TransportError as exc:
+            self._fail(exc)
+            return
+        assert self._loop is not None  # noqa: S101 - started
+        if not done and not self._writing:
+            self._writing = True
+            self._loop.add_writer(stream.sock.fileno(), self._writable)
+        elif done and self._writing:
+            self._writing = False
+            self._loop.remove_writer(stream.sock.fileno())
+
+    def _writable(self) -> None:
+        self._flush()
+
+    def _lookup(self, frame: Frame, need: Access) -> memoryview | None:
+        region = self._regions.get(frame.rkey)
+        if region is None or not region.access & need:
+            return None
+        offset = frame.addr - region.addr
+        if offset < 0 or offset + frame.length > region.length:
+            return None
+        return region.view[offset : offset + frame.length]
+
+    def payload_target(self, frame: Frame) -> memoryview | None:
+        """FrameHandler: capsules into a small buffer, WRITEs straight into the region."""
+        if frame.kind == FrameType.CAPSULE:
+            if frame.length > MAX_CAPSULE:
+                raise TransportError(f"capsule of {frame.length} bytes exceeds {MAX_CAPSULE}")
+            return memoryview(self._capsule)[: frame.length]
+        if frame.kind == FrameType.WRITE:
+            return self._lookup(frame, Access.REMOTE_WRITE)  # None: refused, dropped
+        raise TransportError(f"unexpected frame {FrameType(frame.kind).name} from the agent")
+
+    def on_frame(self, frame: Frame, payload: memoryview | None) -> None:
+        """FrameHandler: serve READs and WRITEs, hand capsules over."""
+        stream = self._stream
+        assert stream is not None  # noqa: S101 - frames come from the stream
+        if frame.kind == FrameType.CAPSULE:
+            assert payload is not None  # noqa: S101
+            if self._on_capsule is not None:
+                self._on_capsule(payload)
+        elif frame.kind == FrameType.READ:
+            view = self._lookup(frame, Access.REMOTE_READ)
             if view is None:
-                await conn.send(_Frame(_Type.READ_RESP, STATUS_ACCESS, frame.req_id))
+                self._refuse(FrameType.READ_RESP, frame)
             else:
-                await conn.send(
-                    _Frame(_Type.READ_RESP, req_id=frame.req_id, length=len(view)), view
-                )
-        elif frame.kind == _Type.WRITE:
-            view = self._lookup(frame.addr, frame.rkey, frame.length, Access.REMOTE_WRITE)
-            if view is None:
-                await conn.discard(frame.length)
-                await conn.send(_Frame(_Type.WRITE_ACK, STATUS_ACCESS, frame.req_id))
+                stream.queue(pack(FrameType.READ_RESP, 0, frame.req_id, length=len(view)), view)
+        elif frame.kind == FrameType.WRITE:
+            if payload is None:
+                self._refuse(FrameType.WRITE_ACK, frame)
             else:
-                await conn.recv_into(view)
-                await conn.send(_Frame(_Type.WRITE_ACK, req_id=frame.req_id))
+                stream.queue(pack(FrameType.WRITE_ACK, 0, frame.req_id))
         else:
-            raise TransportError(f"unexpected frame {frame.kind.name} from the agent")
+            raise TransportError(f"unexpected frame {FrameType(frame.kind).name} from the agent")
+
+    def _refuse(self, answer: FrameType, frame: Frame) -> None:
+        """Answer a refused access with status 1; then the data plane is over (as on verbs)."""
+        assert self._stream is not None  # noqa: S101
+        self._stream.queue(pack(answer, STATUS_ACCESS, frame.req_id))
+        with contextlib.suppress(TransportError):
+            self._stream.flush()
+        what = "READ" if frame.kind == FrameType.READ else "WRITE"
+        raise RemoteAccessError(
+            f"the agent made a {what} this host refused (rkey {frame.rkey:#x}, "
+            f"{frame.length} bytes at {frame.addr:#x}): the data plane is over"
+        )
+
+    def _fail(self, error: TransportError) -> None:
+        if self.error is not None:
+            return
+        self.error = error
+        if self._stream is not None and self._loop is not None:
+            fd = self._stream.sock.fileno()
+            if fd >= 0:
+                self._loop.remove_reader(fd)
+                self._loop.remove_writer(fd)
+            self._stream.close()
+        if not self._closed and self._on_failure is not None:
+            self._on_failure(error)
 
     async def close(self) -> None:
-        """Close the connection and free every region."""
-        if not await self._close_link():
+        """Close the connection and free every region. Idempotent."""
+        if self._closed:
             return
-        self._listener.close()
+        self._closed = True
+        if self._acceptor is not None or self._listener.fileno() >= 0:
+            self._stop_accepting()
+        if self._acceptor is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._acceptor
+        self._fail(TransportError("transport closed"))
         for region in self._regions.values():
             region.close()
         self._regions.clear()
-
-
-class TcpAgentTransport(_Link, AgentTransport):
-    """Agent side: dials the host and moves bytes with READ/WRITE frames."""
-
-    def __init__(self) -> None:
-        _Link.__init__(self)
-        self._next_req = 1
-        self._pending: dict[int, tuple[asyncio.Future[None], memoryview | None]] = {}
-
-    @property
-    def address(self) -> None:
-        """Nothing: the host's side listens."""
-        return
-
-    async def connect(self, host: PeerAddress) -> None:
-        """Dial the host's listener."""
-        if not isinstance(host, TcpAddress):
-            raise TransportError("the tcp transport needs a tcp host endpoint")
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT):
-                infos = await loop.getaddrinfo(host.host, host.port, type=socket.SOCK_STREAM)
-                family, socktype, proto, _, sockaddr = infos[0]
-                sock = socket.socket(family, socktype, proto)
-                sock.setblocking(False)
-                try:
-                    await loop.sock_connect(sock, sockaddr)
-                except BaseException:
-                    sock.close()
-                    raise
-        except (OSError, TimeoutError, ValueError) as exc:  # ValueError: a name IDNA refuses
-            raise TransportError(
-                f"cannot reach the host at {host.host}:{host.port}: {exc}"
-            ) from exc
-        self._conn = _FramedSocket(sock)
-        self._reader = asyncio.create_task(self._serve(self._conn), name="tcp-agent-reader")
-
-    def staging(self, length: int) -> MemoryRegion:
-        """Local memory for READ destinations and WRITE sources."""
-        return MemoryRegion(length, Access.NONE, 0)
-
-    def release(self, region: Region) -> None:
-        """Free a staging region."""
-        if isinstance(region, MemoryRegion):
-            region.close()
-
-    def _request(self, into: memoryview | None) -> tuple[int, asyncio.Future[None]]:
-        if self._conn is None or self._inbox.error is not None:
-            raise self._inbox.error or TransportError("not connected")
-        req_id = self._next_req
-        self._next_req = (self._next_req + 1) & 0xFFFF_FFFF or 1
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending[req_id] = (future, into)
-        return req_id, future
-
-    async def read(self, local: Region, offset: int, length: int, addr: int, rkey: int) -> None:
-        """RDMA READ from the host into local[offset:offset+length]."""
-        req_id, future = self._request(local.view[offset : offset + length])
-        assert self._conn is not None  # noqa: S101 - _request checked it
-        await self._conn.send(_Frame(_Type.READ, 0, req_id, addr, rkey, length))
-        await future
-
-    async def write(self, local: Region, offset: int, length: int, addr: int, rkey: int) -> None:
-        """RDMA WRITE local[offset:offset+length] to the host."""
-        req_id, future = self._request(None)
-        assert self._conn is not None  # noqa: S101
-        payload = local.view[offset : offset + length]
-        await self._conn.send(_Frame(_Type.WRITE, 0, req_id, addr, rkey, length), payload)
-        await future
-
-    async def _handle(self, conn: _FramedSocket, frame: _Frame) -> None:
-        if frame.kind == _Type.CAPSULE:
-            self._inbox.put(await _recv_capsule(conn, frame.length))
-            return
-        if frame.kind not in (_Type.READ_RESP, _Type.WRITE_ACK):
-            raise TransportError(f"unexpected frame {frame.kind.name} from the host")
-        future, into = self._pending.pop(frame.req_id, (None, None))
-        if future is None:
-            raise TransportError(f"answer to unknown request {frame.req_id}")
-        if frame.status != STATUS_OK:
-            future.set_exception(
-                RemoteAccessError("host refused the access (rkey, bounds or permission)")
-            )
-            return
-        if frame.kind == _Type.READ_RESP:
-            if into is None or frame.length != len(into):
-                raise TransportError("READ answer does not match the request")
-            await conn.recv_into(into)
-        if not future.done():
-            future.set_result(None)
-
-    async def _serve(self, conn: _FramedSocket) -> None:
-        try:
-            while True:
-                await self._handle(conn, await conn.recv_header())
-        except TransportError as exc:
-            self._fail(exc)
-            for future, _ in self._pending.values():
-                if not future.done():
-                    future.set_exception(exc)
-            self._pending.clear()
-
-    async def close(self) -> None:
-        """Close the connection; pending reads and writes fail."""
-        if not await self._close_link():
-            return
-        error = TransportError("transport closed")
-        for future, _ in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
-        self._pending.clear()

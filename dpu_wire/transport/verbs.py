@@ -1,44 +1,46 @@
 """The verbs transport: a session's data plane on one RDMA RC queue pair (pyverbs).
 
-Each transport object (one per session, on either side) owns a device context, one
-protection domain, one completion queue for sends and receives, and one RC queue pair:
+Each link (one per session, on either side) owns a device context, one protection
+domain, two completion queues and one RC queue pair:
 
 - Capsules travel as SEND into a ring of `recv_depth` pre-posted RECV buffers of
-  `MAX_CAPSULE` bytes (one registered region). A consumed RECV is reposted before its
-  capsule is handed to `recv()`, so the peer's credits never run out while the
+  `MAX_CAPSULE` bytes (one registered region). A consumed RECV is reposted as soon as
+  its capsule has been handed over, so the peer's credits never run out while the
   receiving program is busy (NVMe-oF/RDMA does the same); `rnr_retry=7` makes a
   sender wait, not fail, should it ever find the ring empty.
-- `send()` copies the capsule into one of `queue_depth` registered send slots and
-  posts a signalled SEND; `read()`/`write()` post one signalled RDMA READ/WRITE
-  straight between the staging region and the host's region. Every call returns when
-  its work completion arrives. At most `send_depth` work requests are posted at once.
-- Completions are polled from asyncio: `poll_mode="event"` waits on a completion
-  channel's file descriptor with `loop.add_reader`; `poll_mode="busy"` polls the CQ
-  from a task that yields to the loop between polls (what a DPU service would do).
+- Sends, RDMA READs and RDMA WRITEs are posted from work requests built once and
+  reused (a pyverbs SGE + SendWR costs tens of microseconds to build; the provider
+  copies a posted WR, so one object per opcode serves every post). A capsule is copied
+  into one of the send ring's slots first.
+- Send-queue completions are taken from an extended CQ (`CQEX`: no Python object per
+  completion; one start_poll/end_poll pair per completion, because rxe's next_poll
+  ends the batch by itself and a following end_poll corrupts the queue). A WRITE may
+  be posted unsignalled when a signalled operation follows it (a job's last WRITE and
+  its COMPLETION's SEND): RC completes the send queue in order, so the signalled
+  completion covers it.
+- RECV completions come from a plain CQ bound to a completion channel: the only
+  completions a side ever needs to be woken for are capsules (pyverbs 44 cannot arm an
+  extended CQ). A side that has nothing in flight arms the channel and sleeps on its
+  file descriptor; while work is in flight it polls (see `AgentLink`, `HostLink`).
 
-Connection, out of band (OpenSession carries the addresses): the host builds its
-transport (QP in INIT, RECVs posted) and sends `address`; the agent builds its own,
-`await connect(host_address)` (RTR, RTS) and returns its `address`; the host
-`await connect(agent_address)`. The agent must not send before the host connected:
-a SEND to a QP that is not yet RTR is dropped and retried, and fails with
-IBV_WC_RETRY_EXC_ERR once the retry budget (below) is spent.
+Connection, out of band (OpenSession carries the addresses): the host builds its link
+(QP in INIT, RECVs posted) and sends `address`; the agent builds its own, connects it
+(RTR, RTS) and returns its `address`; the host `await connect(agent_address)`. The
+agent never sends first: a SEND to a QP that is not yet RTR is dropped and retried,
+and fails with IBV_WC_RETRY_EXC_ERR once the retry budget (below) is spent.
 
-Differences from the tcp transport (same interface, RDMA semantics):
+Differences from the tcp transport (same semantics otherwise):
 
-- A refused READ or WRITE (bad rkey, out of bounds, access not granted) fails with
-  `RemoteAccessError` *and moves both queue pairs to the error state* (the host's
-  RECVs are flushed): every pending and later operation on the session, on either
-  side, fails with `TransportError`. The tcp host refuses the one access and goes
-  on. So the agent validates every span against the regions the host registered
-  before it posts a READ or WRITE.
+- A refused READ or WRITE (bad rkey, out of bounds, access not granted) moves both
+  queue pairs to the error state (the host's RECVs are flushed): every pending and later
+  operation on the session, on either side, fails. So the agent checks every span
+  against the regions the host advertised before it posts a READ or WRITE.
 - The peer going away is not signalled: RC notices only when an operation finds no
   responder. The requester retries `retry_cnt=6` times after an ACK timeout of
   4.096 us * 2**14 = 67 ms, so the next SEND, READ or WRITE fails with
-  IBV_WC_RETRY_EXC_ERR after 7 * 67 ms = 0.47 s (0.48 s measured on rxe); then the
-  link is dead and `recv()` fails too. A side that only waits in `recv()` learns
-  nothing until it posts.
-- A capsule longer than `MAX_CAPSULE`, a span outside the local region or longer
-  than the port's `max_msg_sz` raise ValueError before anything is posted.
+  IBV_WC_RETRY_EXC_ERR after 7 * 67 ms = 0.47 s (0.48 s measured on rxe).
+- A capsule longer than `MAX_CAPSULE`, a span outside the local region or longer than
+  the port's `max_msg_sz` raise ValueError before anything is posted.
 
 pyverbs comes from the distribution (Debian's python3-pyverbs, rdma-core 44); it is
 imported optionally, so this module imports (and type-checks) where it is absent.
@@ -47,6 +49,7 @@ imported optionally, so this module imports (and type-checks) where it is absent
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -56,15 +59,16 @@ import logging
 import os
 import pathlib
 import secrets
+import time
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_wire.capsule import MAX_CAPSULE
 from dpu_wire.transport import _memory
+from dpu_wire.transport._cqnotify import CqNotifier, NotifyUnavailable
 from dpu_wire.transport.base import (
     Access,
-    AgentTransport,
-    CapsuleInbox,
-    HostTransport,
+    AgentLink,
+    HostLink,
     PeerAddress,
     Region,
     RemoteAccessError,
@@ -74,7 +78,9 @@ from dpu_wire.transport.base import (
 
 if TYPE_CHECKING:
     import mmap
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator, Sequence
+
+    from dpu_wire.transport.base import LinkSink
 
 # Importing pyverbs calls logging.basicConfig(level=INFO) (pyverbs/base.pyx): keep the
 # root logger as the program set it up.
@@ -83,7 +89,7 @@ _root_setup = (list(_root_logger.handlers), _root_logger.level)
 try:  # Debian's python3-pyverbs; absent on machines without rdma-core
     import pyverbs.enums as ev
     from pyverbs.addr import GID, AHAttr, GlobalRoute
-    from pyverbs.cq import CQ, CompChannel
+    from pyverbs.cq import CQ, CQEX, CompChannel, CqInitAttrEx, PollCqAttr
     from pyverbs.device import Context, get_device_list
     from pyverbs.mr import MR
     from pyverbs.pd import PD
@@ -110,11 +116,12 @@ RNR_RETRY: Final = 7  # 7 = retry forever when the peer has no RECV posted
 MIN_RNR_TIMER: Final = 12  # 0.64 ms before a RECV-not-ready retry
 RD_ATOMIC: Final = 16  # RDMA READs in flight (clamped to what the device supports)
 HOP_LIMIT: Final = 64  # RoCEv2 may cross routers
-POLL_BATCH: Final = 16  # work completions taken per poll
+RECV_BATCH: Final = 16  # RECV completions taken per poll of the receive CQ
+DEFAULT_SPIN_S: Final = 0.002  # how long a host link polls after the last activity
 
-_RECV_TAG: Final = 1 << 63  # wr_id of a RECV: the tag | its ring slot
 _EVENT_FD_LINK: Final = "anon_inode:[infinibandevent]"
 _MTU_BYTES: Final = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # enum ibv_mtu -> bytes
+_ENOENT: Final = errno.ENOENT
 
 
 def _require_pyverbs() -> None:
@@ -270,15 +277,6 @@ class VerbsRegion(Region):
 # ---------------------------------------------------------------- the queue pair
 
 
-@dataclasses.dataclass(slots=True)
-class _Pending:
-    """A posted send-queue work request waiting for its completion."""
-
-    future: asyncio.Future[None]
-    what: str  # "SEND", "RDMA READ", "RDMA WRITE"
-    slot: int | None  # the send slot a SEND occupies
-
-
 @dataclasses.dataclass(frozen=True)
 class _Config:
     device: str | None
@@ -287,19 +285,20 @@ class _Config:
     queue_depth: int
     send_depth: int
     recv_depth: int
-    poll_mode: str  # "event" or "busy"
     qp_access: int
 
     def check(self) -> None:
-        if self.poll_mode not in ("event", "busy"):
-            raise ValueError(f"poll_mode must be 'event' or 'busy', not {self.poll_mode!r}")
         for name in ("queue_depth", "send_depth", "recv_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 class _QueuePair:
-    """The machinery both sides share: resources, rings, posting and completions."""
+    """What both sides share: resources, rings, posting and taking completions.
+
+    Not thread-safe and not async: the owner (the agent's reactor, or the host link on
+    its event loop) calls everything from one thread.
+    """
 
     def __init__(self, config: _Config) -> None:
         config.check()
@@ -315,21 +314,21 @@ class _QueuePair:
         self._regions: set[VerbsRegion] = set()
         self._recv_wrs: list[Any] = []
         self._qp: Any = None
-        self._cq: Any = None
+        self._recv_cq: Any = None
+        self._notifier: CqNotifier | None = None
+        self._send_cq: Any = None
         self._channel: Any = None
         self._channel_fd = -1
         self._pd: Any = None
-        self._pending: dict[int, _Pending] = {}
-        self._next_wr_id = 1
-        self._credits = asyncio.Semaphore(config.send_depth)
-        self._free_slots: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(config.queue_depth):
-            self._free_slots.put_nowait(slot)
-        self._inbox = CapsuleInbox()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._poller: asyncio.Task[None] | None = None
-        self._closed = False
         self._ctx: Any = None
+        # posted send-queue work requests in order: (wr_id, token, send slot)
+        self._sq: collections.deque[tuple[int, int | None, int | None]] = collections.deque()
+        self._next_wr_id = 1
+        self._free_slots = list(range(config.queue_depth))
+        self.error: TransportError | None = None
+        self._unreported: list[int] = []  # tokens of a failed link not yet reported
+        self.connected = False
+        self._closed = False
         try:
             self._ctx = Context(name=device)
             self._open(device)
@@ -342,7 +341,7 @@ class _QueuePair:
     # -- set-up
 
     def _open(self, device: str) -> None:
-        """Create PD, CQ (+ channel), QP in INIT, the rings; post every RECV."""
+        """PD, the two CQs and the channel, the QP in INIT, the rings and the work requests."""
         cfg = self._config
         port_attr = self._ctx.query_port(self._port)
         dev_attr = self._ctx.query_device()
@@ -354,13 +353,14 @@ class _QueuePair:
         )
         self._gid = _gid_bytes(self._ctx.query_gid(self._port, self._gid_index))
         self._pd = PD(self._ctx)
-        if cfg.poll_mode == "event":
-            self._channel, self._channel_fd = _open_channel(self._ctx)
-        self._cq = CQ(self._ctx, cfg.send_depth + cfg.recv_depth, None, self._channel, 0)
+        self._channel, self._channel_fd = _open_channel(self._ctx)
+        self._open_recv_cq(cfg.recv_depth)
+        self._send_cq = CQEX(self._ctx, CqInitAttrEx(cqe=cfg.send_depth))
+        self._poll_attr = PollCqAttr()
         cap = QPCap(
             max_send_wr=cfg.send_depth, max_recv_wr=cfg.recv_depth, max_send_sge=1, max_recv_sge=1
         )
-        init = QPInitAttr(qp_type=ev.IBV_QPT_RC, scq=self._cq, rcq=self._cq, cap=cap)
+        init = QPInitAttr(qp_type=ev.IBV_QPT_RC, scq=self._send_cq, rcq=self._recv_cq, cap=cap)
         attr = QPAttr(port_num=self._port)
         attr.qp_access_flags = cfg.qp_access
         self._qp = QP(self._pd, init, attr)  # RC with attributes: created in INIT
@@ -370,10 +370,28 @@ class _QueuePair:
         for slot in range(cfg.recv_depth):
             sge = SGE(self._recv_ring.addr + slot * MAX_CAPSULE, MAX_CAPSULE, self._recv_ring.lkey)
             try:
-                self._recv_wrs.append(RecvWR(wr_id=_RECV_TAG | slot, num_sge=1, sg=[sge]))
+                self._recv_wrs.append(RecvWR(wr_id=slot, num_sge=1, sg=[sge]))
             finally:
                 sge.close()  # RecvWR copied it; pyverbs 44 never frees an SGE by itself
             self._qp.post_recv(self._recv_wrs[slot])
+        # One work request per kind of post, each pointing at its own SGE. A WR is copied
+        # by the provider when posted, so these are rewritten for every post. Their own
+        # SGE arrays (allocated by SendWR) are never freed: pyverbs 44 does not, and
+        # close() would free the SGE we point them at instead. Four small leaks per QP.
+        signaled = int(ev.IBV_SEND_SIGNALED)
+        self._wrs: dict[str, tuple[Any, Any]] = {}
+        for name, opcode, flags in (
+            ("send", ev.IBV_WR_SEND, signaled),
+            ("read", ev.IBV_WR_RDMA_READ, signaled),
+            ("write", ev.IBV_WR_RDMA_WRITE, signaled),
+            ("write_unsignaled", ev.IBV_WR_RDMA_WRITE, 0),
+        ):
+            sge = SGE(0, 0, 0)
+            wr = SendWR(wr_id=0, opcode=opcode, num_sge=1, sg=[sge], send_flags=flags)
+            wr.sg_list = sge
+            self._wrs[name] = (wr, sge)
+        self._send_wr, self._send_sge = self._wrs["send"]
+        self._send_sge.lkey = self._send_ring.lkey
         # Kept, not read from the QP each time: a destroyed pyverbs QP must not be touched
         # (its qp_num reads freed memory), and a failed session is still listed.
         self._address = VerbsAddress(
@@ -381,18 +399,41 @@ class _QueuePair:
         )
         log.debug("verbs %s port %d: QP %#x in INIT", device, self._port, self._address.qp_num)
 
+    def _open_recv_cq(self, depth: int) -> None:
+        """An extended CQ whose events `CqNotifier` arms, or else a plain one pyverbs arms."""
+        attr = CqInitAttrEx(
+            cqe=depth, channel=self._channel, wc_flags=int(ev.IBV_WC_EX_WITH_BYTE_LEN)
+        )
+        cq = CQEX(self._ctx, attr)
+        try:
+            self._notifier = CqNotifier(cq, self._channel, self._ctx, self._channel_fd)
+        except NotifyUnavailable as exc:
+            log.info("receive CQ events through a plain CQ: %s", exc)
+            cq.close()
+            self._notifier = None
+            self._recv_cq = CQ(self._ctx, depth, None, self._channel, 0)
+            self._poll_recv = self._poll_recv_plain  # type: ignore[method-assign]
+        else:
+            self._recv_cq = cq
+            self._poll_recv = self._poll_recv_ex  # type: ignore[method-assign]
+
     @property
     def address(self) -> VerbsAddress:
         """This side's QP as the peer needs it (also after close)."""
         return self._address
 
+    @property
+    def channel_fd(self) -> int:
+        """The completion channel's descriptor (readable once an armed RECV CQ completes)."""
+        return self._channel_fd
+
     def connect(self, peer: PeerAddress | None) -> None:
-        """INIT -> RTR -> RTS towards `peer`, then start taking completions."""
+        """INIT -> RTR -> RTS towards `peer`."""
         if self._closed:
             raise TransportError("transport is closed")
         if not isinstance(peer, VerbsAddress):
             raise TransportError(f"the verbs transport needs a verbs address, got {peer!r}")
-        if self._loop is not None:
+        if self.connected:
             raise TransportError("already connected")
         attr = QPAttr(port_num=self._port)
         route = GlobalRoute(
@@ -415,16 +456,7 @@ class _QueuePair:
             raise TransportError(
                 f"cannot connect QP {self._address.qp_num:#x} to {peer}: {exc}"
             ) from exc
-        self._start_completions()
-
-    def _start_completions(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        if self._config.poll_mode == "event":
-            self._cq.req_notify()
-            self._loop.add_reader(self._channel_fd, self._on_channel)
-            self._on_channel()  # anything that completed before the reader was added
-        else:
-            self._poller = self._loop.create_task(self._busy_poll(), name="verbs-cq-poller")
+        self.connected = True
 
     # -- memory
 
@@ -444,228 +476,286 @@ class _QueuePair:
             self._regions.discard(region)
             region.close()
 
-    # -- operations
+    # -- posting
 
-    async def send(self, capsule: bytes) -> None:
-        """Copy `capsule` into a send slot and SEND it; return once it completed."""
-        if len(capsule) > MAX_CAPSULE:
-            raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
-        self._check()
-        slot = await self._free_slots.get()
+    @property
+    def outstanding(self) -> int:
+        """Send-queue work requests posted and not yet completed."""
+        return len(self._sq)
+
+    def room(self) -> int:
+        """Work requests that can be posted now (a SEND also needs a free send slot)."""
+        return self._config.send_depth - len(self._sq)
+
+    def send_room(self) -> int:
+        """Capsules that can be sent now."""
+        return min(self.room(), len(self._free_slots))
+
+    def post_send(self, capsule: bytes | memoryview, token: int | None) -> None:
+        """Copy `capsule` into a send slot and post a signalled SEND."""
+        size = len(capsule)
+        if size > MAX_CAPSULE:
+            raise ValueError(f"capsule of {size} bytes exceeds {MAX_CAPSULE}")
+        self._check_post()
+        if not self._free_slots:
+            raise TransportError("no free send slot (more capsules in flight than queue_depth)")
+        slot = self._free_slots.pop()
         offset = slot * MAX_CAPSULE
-        self._send_ring.view[offset : offset + len(capsule)] = capsule
-        local = (self._send_ring.addr + offset, len(capsule), self._send_ring.lkey)
-        await self._post("SEND", ev.IBV_WR_SEND, local, (0, 0), slot)
+        self._send_ring.view[offset : offset + size] = capsule
+        sge = self._send_sge
+        sge.addr = self._send_ring.addr + offset
+        sge.length = size
+        self._post(self._send_wr, token, slot, "SEND")
 
-    async def rdma(
-        self, opcode: int, local: Region, offset: int, length: int, remote: tuple[int, int]
+    def post_rdma(  # noqa: PLR0913, PLR0917 - an RDMA operation's operands
+        self,
+        kind: str,
+        local: Region,
+        offset: int,
+        length: int,
+        remote: tuple[int, int],
+        token: int | None,
     ) -> None:
-        """One signalled RDMA READ/WRITE between `local[offset:+length]` and (addr, rkey)."""
-        region = self._local(local, offset, length)
-        what = "RDMA READ" if opcode == ev.IBV_WR_RDMA_READ else "RDMA WRITE"
-        await self._post(what, opcode, (region.addr + offset, length, region.lkey), remote, None)
-
-    def _local(self, local: Region, offset: int, length: int) -> VerbsRegion:
-        """`local` as a live region of this transport, with the span inside it."""
+        """Post an RDMA READ ("read") or WRITE ("write", "write_unsignaled")."""
         if not isinstance(local, VerbsRegion) or local not in self._regions:
             raise ValueError("the local region is not a live staging region of this transport")
-        if offset < 0 or length < 0 or offset + length > local.length:
+        if offset < 0 or length <= 0 or offset + length > local.length:
             raise ValueError(
                 f"span [{offset}, {offset + length}) is outside the {local.length}-byte region"
             )
         if length > self._max_msg:
             raise ValueError(f"{length} bytes exceed the port's max_msg_sz {self._max_msg}")
-        return local
+        self._check_post()
+        wr, sge = self._wrs[kind]
+        sge.addr = local.addr + offset
+        sge.length = length
+        sge.lkey = local.lkey
+        wr.set_wr_rdma(remote[1], remote[0])
+        self._post(wr, token, None, "RDMA READ" if kind == "read" else "RDMA WRITE")
 
-    async def recv(self) -> bytes:
-        """The next capsule, or TransportError once the link is gone."""
-        if self._closed:
-            raise TransportError("transport is closed")
-        return await self._inbox.get()
-
-    def _check(self) -> None:
-        if self._inbox.error is not None:
-            raise self._inbox.error
-        if self._loop is None:
+    def _check_post(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if not self.connected:
             raise TransportError("not connected")
+        if len(self._sq) >= self._config.send_depth:
+            raise TransportError("the send queue is full")
 
-    async def _post(
-        self,
-        what: str,
-        opcode: int,
-        local: tuple[int, int, int],
-        remote: tuple[int, int],
-        slot: int | None,
-    ) -> None:
-        """Post one signalled send-queue WR within the credits; await its completion."""
+    def _post(self, wr: Any, token: int | None, slot: int | None, what: str) -> None:  # noqa: ANN401 - a pyverbs SendWR
+        wr_id = self._next_wr_id
+        self._next_wr_id = wr_id + 1
+        wr.wr_id = wr_id
         try:
-            await self._credits.acquire()
-        except BaseException:
-            self._give_back(slot)
-            raise
-        try:
-            self._check()
-            assert self._loop is not None  # noqa: S101 - _check made sure
-            wr_id = self._next_wr_id
-            self._next_wr_id += 1
-            future = self._loop.create_future()
-            self._post_wr(wr_id, opcode, local, remote)
-        except BaseException as exc:
-            self._credits.release()
-            self._give_back(slot)
-            if isinstance(exc, PyverbsError):
-                error = TransportError(f"posting {what} failed: {exc}")
-                self._fail(error)
-                raise error from exc
-            raise
-        self._pending[wr_id] = _Pending(future, what, slot)
-        await future
-
-    def _post_wr(
-        self, wr_id: int, opcode: int, local: tuple[int, int, int], remote: tuple[int, int]
-    ) -> None:
-        """Post one signalled send-queue WR with one SGE (`local` = addr, length, lkey)."""
-        sge = SGE(*local)
-        try:
-            wr = SendWR(
-                wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge], send_flags=ev.IBV_SEND_SIGNALED
-            )
-        finally:
-            sge.close()  # SendWR copied it; pyverbs 44 never frees an SGE by itself
-        try:
-            if opcode != ev.IBV_WR_SEND:
-                addr, rkey = remote
-                wr.set_wr_rdma(rkey, addr)
-            self._qp.post_send(wr)  # the provider copies the WR into its queue
-        finally:
-            wr.close()  # frees the WR's SGE array, which pyverbs 44 would leak
-
-    def _give_back(self, slot: int | None) -> None:
-        if slot is not None:
-            self._free_slots.put_nowait(slot)
-
-    def _retire(self, op: _Pending) -> None:
-        """Return what a finished WR held: its credit and its send slot."""
-        self._credits.release()
-        self._give_back(op.slot)
+            self._qp.post_send(wr)
+        except PyverbsError as exc:
+            if slot is not None:
+                self._free_slots.append(slot)
+            error = TransportError(f"posting {what} failed: {exc}")
+            self.fail(error, None)
+            raise error from exc
+        self._sq.append((wr_id, token, slot))
 
     # -- completions
 
-    def _on_channel(self) -> None:
-        """The channel fd is readable: take the events, re-arm, poll until empty."""
-        try:
-            events = 0
-            while _take_cq_event(self._channel, self._cq):
-                events += 1
-            if events:
-                self._cq.ack_events(events)
-            self._cq.req_notify()  # before the last poll: a later completion raises an event
-            self._drain()
-        except PyverbsError as exc:
-            self._fail(TransportError(f"completion channel failed: {exc}"))
+    def poll(self, sink: LinkSink, budget: int) -> int:
+        """Take send completions, then up to `budget` capsules; return how many."""
+        if self._unreported:
+            self._report_failed(sink)
+        taken = self.poll_sends(sink) if self._sq else 0
+        if self._closed:  # a callback closed the link: its CQs are gone
+            return taken
+        return taken + self._poll_recv(sink, budget)
 
-    async def _busy_poll(self) -> None:
-        try:
-            while self._inbox.error is None:  # a failed link has nothing left to complete
-                self._drain()
-                await asyncio.sleep(0)
-        except PyverbsError as exc:
-            self._fail(TransportError(f"polling the completion queue failed: {exc}"))
+    def poll_sends(self, sink: LinkSink | None) -> int:
+        """Take send-queue completions only (None: report no tokens)."""
+        cq, attr, sq = self._send_cq, self._poll_attr, self._sq
+        taken = 0
+        while sq and not self._closed:
+            if cq.start_poll(attr) != 0:  # ENOENT: nothing (or an error code)
+                return taken
+            wr_id, status = cq.wr_id, cq.status
+            cq.end_poll()
+            taken += 1
+            ok = status == ev.IBV_WC_SUCCESS
+            # RC completes the send queue in order: everything up to wr_id is done.
+            while sq:
+                done_id, token, slot = sq.popleft()
+                if slot is not None:
+                    self._free_slots.append(slot)
+                last = done_id == wr_id
+                if token is not None and (ok or not last) and sink is not None:
+                    sink.on_done(token, None)
+                if last:
+                    if not ok:
+                        self._failed_completion(status, token, sink)
+                        return taken
+                    break
+        return taken
 
-    def _drain(self) -> None:
-        while True:
-            count, wcs = self._cq.poll(POLL_BATCH)
-            for wc in wcs:
-                self._complete(int(wc.wr_id), int(wc.status), int(wc.byte_len))
-            if count < POLL_BATCH:
-                return
-
-    def _complete(self, wr_id: int, status: int, byte_len: int) -> None:
-        if wr_id & _RECV_TAG:
-            self._received(wr_id & ~_RECV_TAG, status, byte_len)
-            return
-        op = self._pending.pop(wr_id, None)
-        if op is None:  # flushed after the link had already failed
-            return
-        self._retire(op)
-        if status == ev.IBV_WC_SUCCESS:
-            if not op.future.done():
-                op.future.set_result(None)
-            return
+    def _failed_completion(self, status: int, token: int | None, sink: LinkSink | None) -> None:
         name = _wc_status_name(status)
-        error = TransportError(f"{op.what} failed with {name}; the queue pair is in error")
-        if not op.future.done():
-            op.future.set_exception(
-                RemoteAccessError(
-                    f"the peer refused the {op.what} ({name}: rkey, bounds or access); "
-                    "the queue pair is now in the error state"
-                )
-                if status == ev.IBV_WC_REM_ACCESS_ERR
-                else error
+        if status == ev.IBV_WC_REM_ACCESS_ERR:
+            error: TransportError = RemoteAccessError(
+                f"the peer refused an RDMA operation ({name}: rkey, bounds or access); "
+                "the queue pair is now in the error state"
             )
-        self._fail(error)
+        else:
+            error = TransportError(f"a work request failed with {name}; the queue pair is in error")
+        self.fail(error, sink, token)
 
-    def _received(self, slot: int, status: int, byte_len: int) -> None:
-        """A RECV completed: copy the capsule out, repost the buffer, then queue it."""
+    def _poll_recv(self, sink: LinkSink, budget: int) -> int:
+        """Take up to `budget` capsules (bound to the variant `_open_recv_cq` chose)."""
+        raise NotImplementedError
+
+    def _poll_recv_ex(self, sink: LinkSink, budget: int) -> int:
+        cq, attr = self._recv_cq, self._poll_attr
+        taken = 0
+        while taken < budget and not self._closed:
+            if cq.start_poll(attr) != 0:  # ENOENT: empty
+                break
+            slot, status, length = cq.wr_id, cq.status, cq.read_byte_len()
+            cq.end_poll()  # one batch per completion: rxe's next_poll breaks the queue
+            taken += 1
+            if not self._received(sink, slot, status, length):
+                break
+        return taken
+
+    def _poll_recv_plain(self, sink: LinkSink, budget: int) -> int:
+        if self._closed:
+            return 0
+        count: int
+        count, wcs = self._recv_cq.poll(min(budget, RECV_BATCH))
+        for wc in wcs:
+            if not self._received(sink, wc.wr_id, wc.status, wc.byte_len):
+                break
+        return count
+
+    def _received(self, sink: LinkSink, slot: int, status: int, length: int) -> bool:
+        """Hand a received capsule over and repost its RECV; False once the link failed."""
         if status != ev.IBV_WC_SUCCESS:
-            self._fail(
+            self.fail(
                 TransportError(
-                    f"the queue pair is in the error state (a RECV completed with "
+                    "the queue pair is in the error state (a RECV completed with "
                     f"{_wc_status_name(status)}): an operation failed on this side, "
                     "or the peer made an access this side refused"
-                )
+                ),
+                sink,
             )
-            return
-        offset = slot * MAX_CAPSULE
-        capsule = bytes(self._recv_ring.view[offset : offset + byte_len])
+            return False
+        start = slot * MAX_CAPSULE
         try:
-            self._qp.post_recv(self._recv_wrs[slot])
-        except PyverbsError as exc:
-            self._fail(TransportError(f"reposting a RECV failed: {exc}"))
-            return
-        self._inbox.put(capsule)
+            if self.error is None:
+                sink.on_capsule(self._recv_ring.view[start : start + length])
+        finally:
+            if self.error is None and not self._closed:
+                try:
+                    self._qp.post_recv(self._recv_wrs[slot])
+                except PyverbsError as exc:
+                    self.fail(TransportError(f"reposting a RECV failed: {exc}"), sink)
+        return self.error is None and not self._closed
 
-    def _fail(self, error: TransportError) -> None:
-        """The link is gone: fail every pending operation, and every later one."""
-        if not self._inbox.fail(error):
+    def arm(self, sink: LinkSink) -> bool:
+        """Ask for an event on the next capsule; False if one arrived meanwhile (polled)."""
+        if self.error is not None or self._closed:
+            return True  # nothing will ever arrive: sleeping is right
+        try:
+            if self._notifier is not None:
+                self._notifier.arm()
+            else:
+                self._recv_cq.req_notify()
+        except (PyverbsError, OSError) as exc:
+            self.fail(TransportError(f"arming the completion queue failed: {exc}"), sink)
+            return True
+        return self._poll_recv(sink, RECV_BATCH) == 0
+
+    def take_events(self) -> None:
+        """Consume the channel's pending events (the descriptor was readable)."""
+        if self._closed:
             return
+        try:
+            if self._notifier is not None:
+                self._notifier.take_events()
+                return
+            events = 0
+            while _take_cq_event(self._channel, self._recv_cq):
+                events += 1
+            if events:
+                self._recv_cq.ack_events(events)
+        except (PyverbsError, OSError) as exc:
+            self.fail(TransportError(f"completion channel failed: {exc}"), None)
+
+    def fail(self, error: TransportError, sink: LinkSink | None, first: int | None = None) -> None:
+        """The link is gone: every outstanding token is reported with the error, once.
+
+        Without a sink at hand, the tokens wait for the next `poll`.
+        """
+        if self.error is not None:
+            return
+        self.error = error
         if not self._closed:
             log.warning("verbs data plane failed: %s", error)
-        pending, self._pending = self._pending, {}
-        for op in pending.values():
-            self._retire(op)
-            if not op.future.done():
-                op.future.set_exception(error)
+        if first is not None:
+            self._unreported.append(first)
+        self._unreported += [token for _, token, _ in self._sq if token is not None]
+        self._sq.clear()
+        self._free_slots = list(range(self._config.queue_depth))
+        if sink is not None:
+            self._report_failed(sink)
+
+    def _report_failed(self, sink: LinkSink) -> None:
+        tokens, self._unreported = self._unreported, []
+        assert self.error is not None  # noqa: S101 - only after fail()
+        for token in tokens:
+            sink.on_done(token, self.error)
 
     # -- teardown
 
-    async def close(self) -> None:
-        """Fail what is pending, stop taking completions, destroy everything. Idempotent."""
+    def close(self) -> None:
+        """Destroy everything. Idempotent; reports nothing."""
         if self._closed:
             return
         self._closed = True
-        self._fail(TransportError("transport closed"))
-        if self._loop is not None and self._channel_fd >= 0:
-            self._loop.remove_reader(self._channel_fd)
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        if self.error is None:
+            self.error = TransportError("transport closed")
+        self._sq.clear()
         self._release()
 
     def _release(self) -> None:
-        """Destroy in dependency order: QP, MRs, CQ, channel, PD, context."""
+        """Destroy in dependency order: QP, MRs, CQs, channel, PD, context."""
         if self._qp is not None:
             self._qp.close()
+        if self._notifier is not None:  # destroying a CQ waits for its events' acks
+            with contextlib.suppress(OSError):
+                self._notifier.take_events()
         for region in self._regions:
             region.close()
         self._regions.clear()
         for wr in self._recv_wrs:
             wr.close()  # frees its SGE array; a second close would free it again
         self._recv_wrs.clear()
-        for obj in (self._cq, self._channel, self._pd, self._ctx):
+        for obj in (self._send_cq, self._recv_cq, self._channel, self._pd, self._ctx):
             if obj is not None:
                 obj.close()  # pyverbs' close() is idempotent
+        # Drop the objects now: a pyverbs Context closes what it still tracks when it is
+        # freed, and at interpreter exit the channel's Python subclass may be gone by then.
+        self._notifier = None
+        self._send_cq = self._recv_cq = self._channel = self._qp = None
+        self._pd = self._ctx = None
+
+
+if _PYVERBS_MISSING is None:
+
+    class _Channel(CompChannel):  # type: ignore[misc]
+        """A completion channel an extended CQ can be bound to.
+
+        pyverbs 44's CQEX calls `channel.add_ref(cq)`, a cdef method Python code cannot
+        reach, so binding any CompChannel raises AttributeError once the CQ exists. This
+        Python-level `add_ref` takes the call; the link destroys its CQs before the
+        channel itself, which is all the reference was for.
+        """
+
+        def add_ref(self, obj: object) -> None:
+            """Nothing to remember: see the class docstring."""
 
 
 def _open_channel(ctx: Any) -> tuple[Any, int]:  # noqa: ANN401 - pyverbs Context
@@ -675,15 +765,14 @@ def _open_channel(ctx: Any) -> tuple[Any, int]:  # noqa: ANN401 - pyverbs Contex
     57), so where it is missing the fd is the one new "[infinibandevent]" descriptor.
     """
     before = set(_event_fds())
-    channel = CompChannel(ctx)
+    channel = _Channel(ctx)
     fd = getattr(channel, "fd", None)
     if fd is None:
         new = [fd for fd in _event_fds() if fd not in before]
         if len(new) != 1:
             channel.close()
             raise TransportError(
-                f"cannot tell the completion channel's fd ({len(new)} new event fds); "
-                "use poll_mode='busy'"
+                f"cannot tell the completion channel's fd ({len(new)} new event fds)"
             )
         fd = new[0]
     os.set_blocking(fd, False)  # ibv_get_cq_event then fails with EAGAIN instead of waiting
@@ -708,11 +797,46 @@ def _take_cq_event(channel: Any, cq: Any) -> bool:  # noqa: ANN401 - pyverbs obj
     return True
 
 
-# ---------------------------------------------------------------- the two sides
+def _config(  # noqa: PLR0913, PLR0917 - the verbs knobs
+    device: str | None,
+    port: int | None,
+    gid_index: int | None,
+    queue_depth: int,
+    send_depth: int | None,
+    recv_depth: int | None,
+    qp_access: int,
+) -> _Config:
+    default_depth = 2 * queue_depth + 8
+    return _Config(
+        device=device,
+        port=port,
+        gid_index=gid_index,
+        queue_depth=queue_depth,
+        send_depth=default_depth if send_depth is None else send_depth,
+        recv_depth=default_depth if recv_depth is None else recv_depth,
+        qp_access=qp_access,
+    )
 
 
-class _VerbsTransport:
-    """What both sides share: construction and the capsule link."""
+# ---------------------------------------------------------------- the agent side
+
+
+class VerbsAgentLink(AgentLink):
+    """Agent side: RDMA READs host regions into staging memory and WRITEs results back.
+
+    Driven by the agent's reactor (see `AgentLink`). `connect` is called once, before
+    the reactor takes the link over.
+
+    Args:
+        device: RDMA device name; None: the first with a usable port (`find_port`).
+        port: port number; None: the first ACTIVE one.
+        gid_index: GID table index; None: the port's IPv4-mapped RoCEv2 GID.
+        queue_depth: capsules in flight (send slots); sets the other depths' defaults.
+        send_depth: send-queue WRs (SEND, READ, WRITE) in flight; default 3 * queue_depth + 8.
+        recv_depth: RECV buffers posted; default 2 * queue_depth + 8.
+    """
+
+    needs_polling = True
 
     def __init__(  # noqa: PLR0913 - the verbs knobs, all with defaults
         self,
@@ -720,64 +844,140 @@ class _VerbsTransport:
         port: int | None = None,
         gid_index: int | None = None,
         queue_depth: int = 32,
-        poll_mode: str = "event",
         *,
         send_depth: int | None = None,
         recv_depth: int | None = None,
     ) -> None:
-        _require_pyverbs()
-        default_depth = 2 * queue_depth + 8
-        config = _Config(
-            device=device,
-            port=port,
-            gid_index=gid_index,
-            queue_depth=queue_depth,
-            send_depth=default_depth if send_depth is None else send_depth,
-            recv_depth=default_depth if recv_depth is None else recv_depth,
-            poll_mode=poll_mode,
-            qp_access=self._qp_access(),
-        )
-        self._qp = _QueuePair(config)
+        # A job has at most a WRITE and its COMPLETION's SEND in flight, and every send
+        # slot may hold a refusal besides: 3 per job keeps the send queue from filling.
+        depth = 3 * queue_depth + 8 if send_depth is None else send_depth
+        self._qp = _QueuePair(_config(device, port, gid_index, queue_depth, depth, recv_depth, 0))
 
-    @staticmethod
-    def _qp_access() -> int:
-        """What the peer may do through this side's QP."""
-        return 0
+    @property
+    def error(self) -> TransportError | None:  # type: ignore[override]
+        """Why the link failed, or None."""
+        return self._qp.error
 
     @property
     def address(self) -> VerbsAddress:
-        """This side's QP as the peer needs it (gid, qp_num, psn, mtu, lid)."""
+        """This side's QP as the host needs it."""
         return self._qp.address
 
-    async def send(self, capsule: bytes) -> None:
-        """Send a capsule (at most MAX_CAPSULE bytes); returns when the SEND completed."""
-        await self._qp.send(capsule)
+    def connect(self, host: PeerAddress) -> None:
+        """INIT -> RTR -> RTS towards the host's QP (its address came in OpenSession)."""
+        self._qp.connect(host)
 
-    async def recv(self) -> bytes:
-        """The next capsule from the peer; TransportError once the link is gone."""
-        return await self._qp.recv()
+    def staging(self, length: int) -> VerbsRegion:
+        """Local memory registered for LOCAL_WRITE only: READ target and WRITE source."""
+        return self._qp.register(length, Access.NONE, int(ev.IBV_ACCESS_LOCAL_WRITE))
 
-    async def close(self) -> None:
-        """Fail pending operations, destroy the QP, regions and device resources. Idempotent."""
-        await self._qp.close()
+    def release(self, region: Region) -> None:
+        """Deregister and unmap a staging region."""
+        self._qp.deregister(region)
+
+    def fileno(self) -> int:
+        """The completion channel (readable after `arm` once a capsule arrives)."""
+        return self._qp.channel_fd
+
+    def on_event(self) -> None:
+        """Consume the channel's events."""
+        self._qp.take_events()
+
+    @property
+    def outstanding(self) -> int:
+        """Send-queue work requests not yet completed."""
+        return self._qp.outstanding
+
+    def room(self) -> int:
+        """Operations that can be posted now (a SEND also needs a send slot)."""
+        return self._qp.send_room()
+
+    def post_read(  # noqa: PLR0913, PLR0917 - an RDMA READ's operands
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int
+    ) -> None:
+        """Post a signalled RDMA READ into `local[offset:]`."""
+        self._qp.post_rdma("read", local, offset, length, (addr, rkey), token)
+
+    def post_write(  # noqa: PLR0913, PLR0917 - an RDMA WRITE's operands
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int | None
+    ) -> None:
+        """Post an RDMA WRITE, unsignalled when `token` is None."""
+        kind = "write_unsignaled" if token is None else "write"
+        self._qp.post_rdma(kind, local, offset, length, (addr, rkey), token)
+
+    def post_send(self, capsule: bytes, token: int | None = None) -> None:
+        """Post a signalled SEND of a capsule."""
+        self._qp.post_send(capsule, token)
+
+    def flush(self) -> None:
+        """Nothing to do: every post went to the device already."""
+
+    def poll(self, sink: LinkSink, budget: int) -> int:
+        """Take send completions and up to `budget` capsules."""
+        return self._qp.poll(sink, budget)
+
+    def arm(self, sink: LinkSink) -> bool:
+        """Arm the receive CQ's event; False if a capsule slipped in (handed to `sink`)."""
+        return self._qp.arm(sink)
+
+    def close(self) -> None:
+        """Destroy the QP, the regions and the device resources. Idempotent."""
+        self._qp.close()
 
 
-class VerbsHostTransport(_VerbsTransport, HostTransport):
+# ---------------------------------------------------------------- the host side
+
+
+class VerbsHostLink(HostLink):
     """Host side: registers regions the agent reads and writes; exchanges capsules.
+
+    Completions are taken on the program's event loop without a task per job: after a
+    send, or while `expecting()` says answers are due, the link polls its CQs once per
+    loop iteration (`loop.call_soon`) for up to `spin` seconds after the last activity;
+    then it arms the receive CQ's event and waits on the completion channel.
 
     Args:
         device: RDMA device name; None: the first with a usable port (`find_port`).
         port: port number; None: the first ACTIVE one.
         gid_index: GID table index; None: the port's IPv4-mapped RoCEv2 GID.
         queue_depth: capsules in flight (send slots); sets the other depths' defaults.
-        poll_mode: "event" (completion channel) or "busy" (poll from a task).
+        spin: seconds to keep polling after the last activity (0: sleep at once).
         send_depth: send-queue WRs in flight; default 2 * queue_depth + 8.
         recv_depth: RECV buffers posted; default 2 * queue_depth + 8.
     """
 
-    @staticmethod
-    def _qp_access() -> int:
-        return int(ev.IBV_ACCESS_REMOTE_READ | ev.IBV_ACCESS_REMOTE_WRITE)
+    def __init__(  # noqa: PLR0913 - the verbs knobs, all with defaults
+        self,
+        device: str | None = None,
+        port: int | None = None,
+        gid_index: int | None = None,
+        queue_depth: int = 32,
+        *,
+        spin: float = DEFAULT_SPIN_S,
+        send_depth: int | None = None,
+        recv_depth: int | None = None,
+    ) -> None:
+        access = int(ev.IBV_ACCESS_REMOTE_READ | ev.IBV_ACCESS_REMOTE_WRITE)
+        depth = 2 * queue_depth + 8 if send_depth is None else send_depth
+        # the send ring must hold a SUBMIT and a CANCEL for every job in flight
+        self._qp = _QueuePair(
+            _config(device, port, gid_index, depth, send_depth, recv_depth, access)
+        )
+        self._spin = spin
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_capsule: Callable[[memoryview], None] | None = None
+        self._on_failure: Callable[[TransportError], None] | None = None
+        self._expecting: Callable[[], bool] = lambda: False
+        self._polling = False
+        self._last = 0.0
+        self._reported = False
+        self._closed = False
+        self._backlog: collections.deque[bytes] = collections.deque()
+
+    @property
+    def address(self) -> VerbsAddress:
+        """This side's QP as the agent needs it."""
+        return self._qp.address
 
     async def connect(self, agent: PeerAddress | None) -> None:
         """Connect to the agent's QP (its address came back from OpenSession)."""
@@ -791,36 +991,95 @@ class VerbsHostTransport(_VerbsTransport, HostTransport):
         """Deregister and unmap a region: the agent's later accesses fail."""
         self._qp.deregister(region)
 
+    def start(
+        self,
+        on_capsule: Callable[[memoryview], None],
+        on_failure: Callable[[TransportError], None],
+        expecting: Callable[[], bool],
+    ) -> None:
+        """Take completions on this event loop from now on."""
+        self._loop = asyncio.get_running_loop()
+        self._on_capsule, self._on_failure, self._expecting = on_capsule, on_failure, expecting
+        self._loop.add_reader(self._qp.channel_fd, self._on_channel)
+        self._kick()
 
-class VerbsAgentTransport(_VerbsTransport, AgentTransport):
-    """Agent side: RDMA READs host regions into staging memory and WRITEs results back.
+    def send(self, capsules: Sequence[bytes]) -> None:
+        """Post a SEND per capsule, in order; TransportError once the link failed.
 
-    Args:
-        device: RDMA device name; None: the first with a usable port (`find_port`).
-        port: port number; None: the first ACTIVE one.
-        gid_index: GID table index; None: the port's IPv4-mapped RoCEv2 GID.
-        queue_depth: capsules in flight (send slots); sets the other depths' defaults.
-        poll_mode: "event" (completion channel) or "busy" (poll from a task).
-        send_depth: send-queue WRs (SEND, READ, WRITE) in flight; default 2 * queue_depth + 8.
-        recv_depth: RECV buffers posted; default 2 * queue_depth + 8.
-    """
+        Capsules that find every send slot taken wait in order and go out as earlier
+        SENDs complete.
+        """
+        if self._qp.error is not None:
+            raise self._qp.error
+        for capsule in capsules:
+            if len(capsule) > MAX_CAPSULE:
+                raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
+        self._backlog.extend(capsules)
+        self._send_backlog()
+        self._kick()
 
-    async def connect(self, host: PeerAddress) -> None:
-        """Connect to the host's QP whose address came in OpenSession."""
-        self._qp.connect(host)
+    def _send_backlog(self) -> None:
+        qp, backlog = self._qp, self._backlog
+        while backlog and qp.error is None:
+            if qp.send_room() == 0 and (qp.poll_sends(None) == 0 or qp.send_room() == 0):
+                return  # the rest goes once SENDs complete (polled in _step)
+            qp.post_send(backlog.popleft(), None)
 
-    def staging(self, length: int) -> VerbsRegion:
-        """Local memory registered for LOCAL_WRITE only: READ target and WRITE source."""
-        return self._qp.register(length, Access.NONE, int(ev.IBV_ACCESS_LOCAL_WRITE))
+    def _kick(self) -> None:
+        self._last = time.monotonic()
+        if not self._polling and self._loop is not None and not self._closed:
+            self._polling = True
+            self._loop.call_soon(self._step)
 
-    def release(self, region: Region) -> None:
-        """Deregister and unmap a staging region."""
-        self._qp.deregister(region)
+    def _step(self) -> None:
+        """One poll; come back next loop iteration while busy, else arm and sleep."""
+        self._polling = False
+        if self._closed:
+            return
+        qp = self._qp
+        if qp.poll(self, RECV_BATCH):
+            self._last = time.monotonic()
+        if self._backlog:
+            self._send_backlog()
+        if self._report():
+            return
+        busy = self._expecting() or qp.outstanding
+        if self._backlog or (busy and time.monotonic() - self._last < self._spin):
+            self._polling = True
+            assert self._loop is not None  # noqa: S101 - set by start()
+            self._loop.call_soon(self._step)
+        elif not qp.arm(self):
+            self._kick()  # a capsule arrived while arming: it was handed over; go on
+        else:
+            self._report()
 
-    async def read(self, local: Region, offset: int, length: int, addr: int, rkey: int) -> None:
-        """RDMA READ `length` bytes at host (`addr`, `rkey`) into `local[offset:]`."""
-        await self._qp.rdma(ev.IBV_WR_RDMA_READ, local, offset, length, (addr, rkey))
+    def _on_channel(self) -> None:
+        self._qp.take_events()
+        self._kick()
 
-    async def write(self, local: Region, offset: int, length: int, addr: int, rkey: int) -> None:
-        """RDMA WRITE `local[offset:offset+length]` to host (`addr`, `rkey`)."""
-        await self._qp.rdma(ev.IBV_WR_RDMA_WRITE, local, offset, length, (addr, rkey))
+    def on_capsule(self, data: memoryview) -> None:
+        """LinkSink: a capsule arrived."""
+        if self._on_capsule is not None:
+            self._on_capsule(data)
+
+    def on_done(self, token: int, error: TransportError | None) -> None:
+        """LinkSink: the host posts no tokens."""
+
+    def _report(self) -> bool:
+        error = self._qp.error
+        if error is None:
+            return False
+        if not self._reported and not self._closed:
+            self._reported = True
+            if self._on_failure is not None:
+                self._on_failure(error)
+        return True
+
+    async def close(self) -> None:
+        """Destroy the QP, regions and device resources. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None:
+            self._loop.remove_reader(self._qp.channel_fd)
+        self._qp.close()

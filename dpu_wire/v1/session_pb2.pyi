@@ -136,21 +136,30 @@ Global___VerbsEndpoint: _TypeAlias = VerbsEndpoint  # noqa: Y015
 
 @_typing.final
 class TcpEndpoint(_message.Message):
+    """tcp data-plane endpoint. The host's names its listener and the 32-byte token its
+    HELLO frame will carry; the agent's carries only the token the agent's HELLO carries,
+    and only in the OpenSession answer (GetSession and ListSessions leave it empty).
+    See docs/data-plane.md section 1.3.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     HOST_FIELD_NUMBER: _builtins.int
     PORT_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     port: _builtins.int
+    token: _builtins.bytes
     def __init__(
         self,
         *,
         host: _builtins.str = ...,
         port: _builtins.int = ...,
+        token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "port", b"port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "port", b"port", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -182,7 +191,9 @@ class Session(_message.Message):
     """Free-form label the client chose ("host-17/app"), for humans."""
     @_builtins.property
     def agent_endpoint(self) -> Global___Endpoint:
-        """The agent's data-plane endpoint. Output only."""
+        """The agent's data-plane endpoint. Output only. For tcp its token is set in the
+        OpenSession answer only.
+        """
 
     @_builtins.property
     def times(self) -> _common_pb2.ResourceTimes: ...
