@@ -1,8 +1,9 @@
 """The event plane's wire format: MQTT topics and JSON payloads, as pure functions.
 
-Nothing here does I/O; `dpu_agent.events.publisher` sends what these functions build.
-The host SDK parses the same format (`host_client._events`); a unit test round-trips
-one through the other.
+Shared by both sides and doing no I/O: the agent's publisher
+(`dpu_agent.events.publisher`) sends what these functions build, and the host SDK
+(`host_client._events`) builds its subscription filters here and parses the same
+format; a unit test round-trips one through the other.
 
 Topics (``{prefix}`` is `MqttSettings.topic_prefix`, ``dpu/v1`` by default; every other
 level is one topic level, never empty and never containing ``/``, ``+``, ``#`` or NUL):
@@ -40,7 +41,7 @@ reconnection, never a loss while the agent's backlog holds)::
 
     {"job": "sessions/s-1a2b3c/jobs/7",   # the job's resource name
      "job_id": 7,
-     "kind": "COPY",                      # COPY, CRC32C
+     "kind": "COPY",                      # the job kind (dpu_wire.jobkinds.JobKind name)
      "origin": "capsule",                 # capsule (data plane) or grpc (SubmitJob)
      "state": "SUCCEEDED",                # SUCCEEDED, FAILED, CANCELLED
      "status": {"code": 0, "message": ""},  # gRPC status code number and why
@@ -65,15 +66,14 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, Protocol
 
-from dpu_wire.capsule import JobKind, State
+from dpu_wire.capsule import State
+from dpu_wire.jobkinds import KINDS, JobKind, Result
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
-
-    from dpu_agent.dataplane.jobs import JobRecord
-    from dpu_agent.dataplane.session import Session
+    import enum
+    from collections.abc import Mapping
 
 DEFAULT_PREFIX: Final = "dpu/v1"
 STATUS_ONLINE: Final = "online"
@@ -84,6 +84,62 @@ REASON_CONNECTION_LOST: Final = "connection lost"
 _FORBIDDEN: Final = frozenset("/+#\x00")
 _MAX_TOPIC_BYTES: Final = 65535
 _NS: Final = 1_000_000_000
+
+
+class FinishedJob(Protocol):
+    """What a completion payload is made of (the agent's job record has these)."""
+
+    @property
+    def job_id(self) -> int:
+        """The job id."""
+
+    @property
+    def kind(self) -> JobKind:
+        """The job kind."""
+
+    @property
+    def origin(self) -> enum.Enum:
+        """How it arrived (its value: "capsule" or "grpc")."""
+
+    @property
+    def state(self) -> int:
+        """dpu.v1.JobState: SUCCEEDED, FAILED or CANCELLED."""
+
+    @property
+    def status(self) -> int:
+        """The gRPC status code number."""
+
+    @property
+    def message(self) -> str:
+        """Why it failed."""
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes READ from host memory."""
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes WRITTEN to host memory."""
+
+    @property
+    def result(self) -> int:
+        """The kind's result (CRC32C: the CRC)."""
+
+    @property
+    def submit_ns(self) -> int:
+        """When it arrived (ns since the epoch)."""
+
+    @property
+    def start_ns(self) -> int:
+        """When it started (0: never)."""
+
+    @property
+    def end_ns(self) -> int:
+        """When it ended."""
+
+    @property
+    def rpc_request_id(self) -> str:
+        """The x-request-id of the RPC that made it."""
 
 
 class TopicError(ValueError):
@@ -214,31 +270,30 @@ def status_payload(
     return _dumps(status_document(state, agent_id, version, started_ns, reason))
 
 
-def completion_document(session_id: str, job: JobRecord) -> dict[str, object]:
+def completion_document(session_id: str, job: FinishedJob) -> dict[str, object]:
     """The completion object of a finished job (see the module docstring)."""
-    c = job.completion
-    if c is None:
+    if job.state not in (State.SUCCEEDED, State.FAILED, State.CANCELLED):
         raise ValueError(f"job {job.job_id} has not finished")
     document: dict[str, object] = {
         "job": f"sessions/{session_id}/jobs/{job.job_id}",
         "job_id": job.job_id,
-        "kind": job.kind.name,
+        "kind": JobKind(job.kind).name,
         "origin": job.origin.value,
-        "state": State(c.state).name,
-        "status": {"code": c.status, "message": c.message},
-        "bytes_read": c.bytes_read,
-        "bytes_written": c.bytes_written,
+        "state": State(job.state).name,
+        "status": {"code": job.status, "message": job.message},
+        "bytes_read": job.bytes_read,
+        "bytes_written": job.bytes_written,
     }
-    if job.kind == JobKind.CRC32C and c.state == State.SUCCEEDED:
-        document["crc32c"] = c.result & 0xFFFF_FFFF
-    document["submit_time"] = rfc3339(c.submit_ns)
-    document["start_time"] = rfc3339(c.start_ns)
-    document["end_time"] = rfc3339(c.end_ns)
+    if KINDS[JobKind(job.kind)].result is Result.CRC32C and job.state == State.SUCCEEDED:
+        document["crc32c"] = job.result & 0xFFFF_FFFF
+    document["submit_time"] = rfc3339(job.submit_ns)
+    document["start_time"] = rfc3339(job.start_ns)
+    document["end_time"] = rfc3339(job.end_ns)
     document["request_id"] = job.rpc_request_id
     return document
 
 
-def completion_payload(session_id: str, job: JobRecord) -> bytes:
+def completion_payload(session_id: str, job: FinishedJob) -> bytes:
     """The completion message of a finished job."""
     return _dumps(completion_document(session_id, job))
 
@@ -260,32 +315,3 @@ def telemetry_payload(
             "events": dict(events),
         }
     )
-
-
-def session_stats(sessions: Iterable[Session]) -> dict[str, object]:
-    """A telemetry source: how many sessions, by state, and their open jobs and counters.
-
-    The sums cover the sessions that exist now (a closed session's counters leave
-    with it), so they are a snapshot, not a monotonic total.
-    """
-    by_state: dict[str, int] = {}
-    totals = {
-        "open_jobs": 0,
-        "jobs_submitted": 0,
-        "jobs_completed": 0,
-        "jobs_failed": 0,
-        "bytes_read": 0,
-        "bytes_written": 0,
-    }
-    count = 0
-    for session in sessions:
-        count += 1
-        by_state[session.state.name] = by_state.get(session.state.name, 0) + 1
-        counters = session.counters
-        totals["open_jobs"] += session.open_jobs
-        totals["jobs_submitted"] += counters.jobs_submitted
-        totals["jobs_completed"] += counters.jobs_completed
-        totals["jobs_failed"] += counters.jobs_failed
-        totals["bytes_read"] += counters.bytes_read
-        totals["bytes_written"] += counters.bytes_written
-    return {"sessions": count, "sessions_by_state": by_state, **totals}

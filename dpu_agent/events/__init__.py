@@ -1,10 +1,10 @@
 """The agent's event plane: job completions, status and telemetry over MQTT.
 
-`MqttEventPublisher` (publisher.py) owns the broker connection and the backlog;
-payloads.py is the wire format (topics and JSON), with no I/O.
+`MqttEventPublisher` (publisher.py) owns the broker connection and the backlog; the
+wire format (topics and JSON) is `dpu_wire.events`, shared with the SDK.
 """
 
-from dpu_agent.events.payloads import TopicError
 from dpu_agent.events.publisher import MqttEventPublisher, MqttSettings
+from dpu_wire.events import TopicError
 
 __all__ = ["MqttEventPublisher", "MqttSettings", "TopicError"]

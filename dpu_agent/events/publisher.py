@@ -19,7 +19,11 @@ is full (`backlog` messages) new completions are refused and counted as `dropped
 `stop()` sends what it can of the backlog within `flush_timeout`, publishes status
 "offline" (retained) and disconnects cleanly. If the agent dies or its link is cut,
 the broker publishes the will instead: the same retained "offline", with reason
-"connection lost". Topics and payloads are in `dpu_agent.events.payloads`.
+"connection lost". Topics and payloads are in `dpu_wire.events`.
+
+The publisher subscribes to the data plane's completion bus (`on_completions`): a
+batch of finished jobs arrives on the data-plane reactor's thread and is handed to
+this event loop in one call.
 """
 
 from __future__ import annotations
@@ -32,19 +36,31 @@ import logging
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Final, Self
+from typing import TYPE_CHECKING, Final, Protocol, Self
 
 import aiomqtt
 
 from dpu_agent import __version__
-from dpu_agent.events import payloads
+from dpu_wire import events as payloads
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Mapping, Sequence
     from types import TracebackType
 
-    from dpu_agent.dataplane.jobs import JobRecord
-    from dpu_agent.dataplane.session import Session
+    from dpu_wire.events import FinishedJob
+
+
+class CompletionSource(Protocol):
+    """What a completion's topic names of its session."""
+
+    @property
+    def tenant(self) -> str:
+        """The session's owner."""
+
+    @property
+    def session_id(self) -> str:
+        """The session id, "s-..."."""
+
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +186,10 @@ class MqttEventPublisher:
         self._overflow_logged = False
         self._telemetry_failing = False
         self._mqtt: aiomqtt.Client | None = None  # the current connection (for tests)
+        try:  # the loop completions are handed to (on_completions); set again in start()
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Self:
@@ -188,6 +208,7 @@ class MqttEventPublisher:
         """Start connecting in the background; returns at once (the broker may be down)."""
         if self._task is not None or self._closed:
             raise RuntimeError("MqttEventPublisher.start() called twice")
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="mqtt-events")
 
     async def stop(self, flush_timeout: float | None = None) -> None:
@@ -222,11 +243,27 @@ class MqttEventPublisher:
         await self._connected.wait()
 
     # ------------------------------------------------------------------ the producer side
-    def publish_completion(self, session: Session, job: JobRecord) -> None:
-        """Queue a finished job's completion. Never blocks, never raises.
+    def on_completions(self, session: CompletionSource, jobs: Sequence[FinishedJob]) -> None:
+        """Completion-bus subscriber (any thread): queue the batch on this event loop."""
+        batch = list(jobs)
+        loop = self._loop
+        try:
+            if loop is not None:
+                loop.call_soon_threadsafe(self._publish_batch, session, batch)
+                return
+        except RuntimeError:  # the loop is closed: the agent is going away
+            pass
+        self._counters.dropped += len(batch)
 
-        The signature of `Session(on_completion=...)`. Works before `start()` (the
-        backlog waits for the connection); after `stop()` completions are dropped.
+    def _publish_batch(self, session: CompletionSource, jobs: list[FinishedJob]) -> None:
+        for job in jobs:
+            self.publish_completion(session, job)
+
+    def publish_completion(self, session: CompletionSource, job: FinishedJob) -> None:
+        """Queue a finished job's completion (on this event loop). Never blocks, never raises.
+
+        Works before `start()` (the backlog waits for the connection); after `stop()`
+        completions are dropped.
         """
         counters = self._counters
         try:
