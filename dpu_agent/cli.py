@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import sys
 from pathlib import Path
@@ -56,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `dpu-agent`."""
+    faulthandler.enable()  # a crash in native code (pyverbs, libibverbs) prints every thread
     args = _parser().parse_args(argv)
     overrides = {}
     if args.command == "serve":

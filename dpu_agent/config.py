@@ -15,11 +15,20 @@ Example file (every key optional):
     transports = "auto"           # auto (verbs if an RDMA port is ACTIVE, and tcp), or a
                                   # comma list of verbs, tcp
     rdma_device = ""              # "" = the first device with an ACTIVE port
-    poll_mode = "event"           # event (completion channel) or busy (poll the CQ)
+    poll_mode = "adaptive"        # adaptive (poll while busy and poll_spin s after, then
+                                  # sleep on the completion channel), busy, event
+    poll_spin = 0.002             # adaptive: seconds a queue pair stays polled when idle
     queue_depth = 32              # default jobs in flight per session (1-1024)
     max_sessions = 64
     orphan_timeout = 10.0         # seconds a session lives with no host watching it
-    chunk_size = 1048576          # bytes moved per RDMA op and staging buffer
+    failed_retention = 30.0       # seconds a FAILED session stays listed
+    chunk_size = 1048576          # bytes moved per RDMA op and large staging buffer
+    staging_buffers = 4           # large staging buffers per session
+    compute_workers = 2           # threads for compression, encryption, hashing
+    io_workers = 16               # threads for blocking volume calls (syncs, large I/O)
+    tcp_allow = "peer"            # where the tcp data plane may dial: the gRPC caller's
+                                  # own address ("peer"), and/or networks ("10.0.0.0/8")
+    op_timeout = 30.0             # seconds a tcp host may leave a READ/WRITE unanswered
 
     [storage]
     backend = "file"              # file (sparse files + SQLite; survives restarts) or memory
@@ -93,7 +102,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import logs
+from dpu_agent.dataplane import hostpolicy
 from dpu_wire import names
+from dpu_wire.events import TopicError, check_prefix
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -120,11 +131,18 @@ class AgentConfig:
     log_format: str = "json"
     transports: str = "auto"
     rdma_device: str = ""
-    poll_mode: str = "event"
+    poll_mode: str = "adaptive"
+    poll_spin: float = 0.002
     queue_depth: int = 32
     max_sessions: int = 64
     orphan_timeout: float = 10.0
+    failed_retention: float = 30.0
     chunk_size: int = 1 << 20
+    staging_buffers: int = 4
+    compute_workers: int = 2
+    io_workers: int = 16
+    tcp_allow: str = "peer"
+    op_timeout: float = 30.0
     storage_backend: str = "file"
     storage_dir: str = ""
     network_backend: str = "none"
@@ -206,6 +224,26 @@ def _seconds(value: object, where: str) -> float:
     return float(value)
 
 
+def _seconds_between(low: float, high: float) -> Callable[[object, str], float]:
+    def parse(value: object, where: str) -> float:
+        seconds = _seconds(value, where)
+        if not low <= seconds <= high:
+            raise ConfigError(f"{where}: expected seconds from {low:g} to {high:g}, got {value!r}")
+        return seconds
+
+    return parse
+
+
+def _tcp_allow(value: object, where: str) -> str:
+    if not isinstance(value, str) or len(value) > 1024:
+        raise ConfigError(f"{where}: expected peer, any or a comma list of networks")
+    try:
+        hostpolicy.parse_allow(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return ",".join(item.strip() for item in value.split(",") if item.strip())
+
+
 def _transports(value: object, where: str) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{where}: expected a string, got {type(value).__name__}")
@@ -241,8 +279,6 @@ def _boolean(value: object, where: str) -> bool:
 
 
 def _topic_prefix(value: object, where: str) -> str:
-    from dpu_agent.events.payloads import TopicError, check_prefix  # noqa: PLC0415
-
     try:
         return check_prefix(_text(value, where))
     except TopicError as exc:
@@ -308,8 +344,16 @@ SETTINGS: Final = (
         "poll_mode",
         "poll_mode",
         "DPU_AGENT_POLL_MODE",
-        _choice("event", "busy"),
-        "CQ polling: event or busy",
+        _choice("adaptive", "busy", "event"),
+        "CQ polling: adaptive, busy or event",
+    ),
+    Setting(
+        "dataplane",
+        "poll_spin",
+        "poll_spin",
+        "DPU_AGENT_POLL_SPIN",
+        _seconds_between(0.0, 1.0),
+        "adaptive polling: seconds an idle queue pair stays polled",
     ),
     Setting(
         "dataplane",
@@ -337,11 +381,59 @@ SETTINGS: Final = (
     ),
     Setting(
         "dataplane",
+        "failed_retention",
+        "failed_retention",
+        "DPU_AGENT_FAILED_RETENTION",
+        _seconds_between(1.0, 3600.0),
+        "seconds a FAILED session stays listed",
+    ),
+    Setting(
+        "dataplane",
         "chunk_size",
         "chunk_size",
         "DPU_AGENT_CHUNK_SIZE",
         _integer(4096, 16 << 20),
-        "bytes per RDMA op",
+        "bytes per RDMA op and large staging buffer",
+    ),
+    Setting(
+        "dataplane",
+        "staging_buffers",
+        "staging_buffers",
+        "DPU_AGENT_STAGING_BUFFERS",
+        _integer(1, 64),
+        "large staging buffers per session",
+    ),
+    Setting(
+        "dataplane",
+        "compute_workers",
+        "compute_workers",
+        "DPU_AGENT_COMPUTE_WORKERS",
+        _integer(1, 64),
+        "threads for compute job steps",
+    ),
+    Setting(
+        "dataplane",
+        "io_workers",
+        "io_workers",
+        "DPU_AGENT_IO_WORKERS",
+        _integer(1, 256),
+        "threads for blocking volume calls",
+    ),
+    Setting(
+        "dataplane",
+        "tcp_allow",
+        "tcp_allow",
+        "DPU_AGENT_TCP_ALLOW",
+        _tcp_allow,
+        "where the tcp data plane may dial: peer, networks, any",
+    ),
+    Setting(
+        "dataplane",
+        "op_timeout",
+        "op_timeout",
+        "DPU_AGENT_OP_TIMEOUT",
+        _seconds_between(1.0, 3600.0),
+        "seconds a tcp host may leave a READ/WRITE unanswered",
     ),
     Setting(
         "storage",

@@ -76,11 +76,12 @@ from dpu_wire.v1 import agent_pb2
 
 if TYPE_CHECKING:
     import threading
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
     from wsgiref.simple_server import WSGIServer
 
     from prometheus_client.metrics_core import Metric
 
+    from dpu_agent.dataplane.bus import Published
     from dpu_agent.dataplane.jobs import JobRecord
     from dpu_agent.dataplane.manager import SessionManager
     from dpu_agent.events.publisher import MqttEventPublisher
@@ -133,11 +134,11 @@ def status_name(code: int) -> str:
 class AgentMetrics(Collector):
     """The agent's metrics in their own registry (`registry`), not the global default.
 
-    The recording methods run on the event loop's thread and only add to plain
-    integers (no lock, no call into prometheus_client: a finished job costs a few
-    dictionary updates and a bisect). Prometheus reads them from the HTTP server's
-    thread through `collect`, which copies each table first (a dict or list copy is
-    atomic under the GIL). Python integers never wrap.
+    The recording methods run on the event loop's or the data-plane reactor's thread
+    and only add to plain integers (no lock, no call into prometheus_client: a
+    finished job costs a few dictionary updates and a bisect). Prometheus reads them
+    from the HTTP server's thread through `collect`, which copies each table first (a
+    dict or list copy is atomic under the GIL). Python integers never wrap.
     """
 
     def __init__(self, agent_id: str, version: str) -> None:
@@ -158,19 +159,22 @@ class AgentMetrics(Collector):
         ProcessCollector(registry=self.registry)
 
     # ------------------------------------------------------------------ events
-    def job_finished(self, job: JobRecord, transport: int) -> None:
-        """Count a job that reached its final state (called once per job)."""
-        c = job.completion
-        if c is None:
-            return
-        key = (job.kind, c.status)
-        self._jobs[key] = self._jobs.get(key, 0) + 1
-        seconds = max(0, c.end_ns - c.submit_ns) / 1e9
-        self._buckets[job.kind][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self._seconds[job.kind] += seconds
-        if c.bytes_read or c.bytes_written:
-            self._read[transport] = self._read.get(transport, 0) + c.bytes_read
-            self._written[transport] = self._written.get(transport, 0) + c.bytes_written
+    def on_completions(self, session: Published, jobs: Sequence[JobRecord]) -> None:
+        """Completion-bus subscriber: count a batch of finished jobs (reactor thread)."""
+        transport = session.transport_kind
+        read = written = 0
+        table, buckets, seconds_by_kind = self._jobs, self._buckets, self._seconds
+        for job in jobs:
+            key = (job.kind, job.status)
+            table[key] = table.get(key, 0) + 1
+            seconds = max(0, job.end_ns - job.submit_ns) / 1e9
+            buckets[job.kind][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            seconds_by_kind[job.kind] += seconds
+            read += job.bytes_read
+            written += job.bytes_written
+        if read or written:
+            self._read[transport] = self._read.get(transport, 0) + read
+            self._written[transport] = self._written.get(transport, 0) + written
 
     def session_opened(self, transport: int) -> None:
         """Count a session whose data plane connected."""

@@ -18,10 +18,11 @@ from grpc_reflection.v1alpha import reflection
 from dpu_agent import __version__, platform, tls
 from dpu_agent.config import ConfigError, rules_file, storage_dir
 from dpu_agent.dataplane import transports
+from dpu_agent.dataplane.bus import CompletionBus
 from dpu_agent.dataplane.manager import ManagerSettings, SessionManager
+from dpu_agent.dataplane.reactor import Reactor
 from dpu_agent.errors import AgentError
 from dpu_agent.events import MqttEventPublisher, MqttSettings
-from dpu_agent.events.payloads import session_stats
 from dpu_agent.interceptor import RpcInterceptor
 from dpu_agent.metrics import AgentMetrics, MetricsServer
 from dpu_agent.network.memory_backend import MemoryFlowBackend
@@ -64,6 +65,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
+# [dataplane] poll_mode -> the reactor's spin (seconds an idle queue pair stays polled)
+_SPIN: Final[dict[str, Callable[[float], float]]] = {
+    "adaptive": lambda spin: spin,
+    "busy": lambda _spin: -1.0,
+    "event": lambda _spin: 0.0,
+}
 MAX_STREAMS_PER_CONNECTION: Final = 1024  # concurrent calls of one client; more wait their turn
 
 
@@ -195,6 +202,7 @@ class AgentServer:
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.port = 0
         self.sessions: SessionManager | None = None
+        self.reactor: Reactor | None = None
         self.store: VolumeStore | None = None
         self.events: MqttEventPublisher | None = None
         self.flows: FlowTable | None = None
@@ -235,18 +243,33 @@ class AgentServer:
             self.events = _event_publisher(cfg, start_time, self._session_stats)
         if cfg.metrics_listen:
             self.metrics = AgentMetrics(cfg.agent_id, __version__)
+        bus = CompletionBus()
+        if self.metrics is not None:
+            bus.subscribe(self.metrics.on_completions)
+        if self.events is not None:
+            bus.subscribe(self.events.on_completions)
+        factories = transports.factories(cfg, devices)
+        self.reactor = Reactor(
+            spin=_SPIN[cfg.poll_mode](cfg.poll_spin),
+            compute_workers=cfg.compute_workers,
+            io_workers=cfg.io_workers,
+        )
+        self.reactor.start()
         self.sessions = SessionManager(
             ManagerSettings(
                 max_sessions=cfg.max_sessions,
                 default_queue_depth=cfg.queue_depth,
                 orphan_timeout=cfg.orphan_timeout,
+                failed_retention=cfg.failed_retention,
                 chunk_size=cfg.chunk_size,
+                large_buffers=cfg.staging_buffers,
             ),
-            transports.factories(cfg, devices),
-            on_completion=self.events.publish_completion if self.events else None,
+            factories,
+            reactor=self.reactor,
+            bus=bus,
             store=guarded,
             quotas=Quotas.from_config(cfg),
-            metrics=self.metrics,
+            events=self.metrics,
         )
         server = grpc.aio.server(
             interceptors=[RpcInterceptor(security.authenticator)],
@@ -320,7 +343,9 @@ class AgentServer:
             ),
             server,
         )
-        session_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(self.sessions), server)
+        session_pb2_grpc.add_SessionServiceServicer_to_server(
+            SessionService(self.sessions, guarded), server
+        )
         job_pb2_grpc.add_JobServiceServicer_to_server(JobService(self.sessions), server)
         quotas = Quotas.from_config(self.config)
         storage_pb2_grpc.add_StorageServiceServicer_to_server(
@@ -372,7 +397,7 @@ class AgentServer:
         log.info("metrics serving", extra={"address": endpoint.address, "url": endpoint.url})
 
     def _session_stats(self) -> dict[str, object]:
-        return session_stats(self.sessions.sessions() if self.sessions else [])
+        return self.sessions.telemetry() if self.sessions else {"sessions": 0}
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting RPCs; give in-flight ones `grace` seconds, then cancel them."""
@@ -386,6 +411,8 @@ class AgentServer:
         if self.sessions is not None:
             await self.sessions.drain(grace)
             await self.sessions.stop()
+        if self.reactor is not None:
+            await asyncio.to_thread(self.reactor.stop)
         await server.stop(max(0.0, grace - (time.monotonic() - started)))
         if self.events is not None:
             await self.events.stop()  # the last completions, then the retained "offline"

@@ -84,6 +84,7 @@ BUSYBOX = Path("/bin/busybox")
 GUEST_TMP = "/tmp"  # noqa: S108 - the guest's own fresh tmpfs
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 RXE_ADDR = "192.168.77.1/24"
+VETH_MTU = 9000  # the veth pair rxe0 sits on: RoCE MTU 4096
 DEFAULT_TIMEOUT = 900.0
 DEFAULT_MEM_MIB = 2048
 DEFAULT_SMP = 2
@@ -602,6 +603,9 @@ done
 mount -t configfs configfs /sys/kernel/config 2>/dev/null  # nvmet's interface
 ip link set lo up
 ip link add veth0 type veth peer name veth1 || fail "cannot create veth0/veth1"
+# jumbo frames, as RoCE fabrics run: rxe's active MTU follows the netdev's (4096 here,
+# 1024 at 1500), and perftest and the project both use the port's active MTU
+ip link set veth0 mtu {VETH_MTU} && ip link set veth1 mtu {VETH_MTU} || fail "cannot set the MTU"
 ip addr add {RXE_ADDR} dev veth0 || fail "cannot address veth0"
 ip link set veth0 up && ip link set veth1 up || fail "cannot bring veth0/veth1 up"
 rdma link add rxe0 type rxe netdev veth0 || fail "rdma link add rxe0 failed"

@@ -1,36 +1,42 @@
-"""Compute kernels of compute jobs: pure functions from input bytes to output bytes.
+"""Compute kernels of compute jobs: streaming transforms with bounded memory.
 
-No I/O here: the job runner READs the input from host memory, calls one of these (in
-a worker thread), and WRITEs the output. Every failure is a domain error; a
-decompression never produces more than the destination can take.
+No I/O here: the job runner READs the input from host memory chunk by chunk, feeds each
+chunk to a transform on a worker thread (the libraries release the GIL), and WRITEs the
+output as it comes. A transform never holds more than one chunk of output at a time,
+however much the input expands: `feed` returns at most `step` bytes and `more()` says
+whether the same input has more to give (a decompression bomb is drained a chunk at a
+time and stopped at the destination's size), and the decoders' windows are bounded
+(`ZSTD_WINDOW_LOG_MAX`). Every failure is a domain error.
+
+Formats: COMPRESS writes one LZ4 frame or one Zstandard frame (level 3); DECOMPRESS
+reads one; ENCRYPT writes nonce (12 random bytes) ‖ AES-GCM ciphertext ‖ tag (16),
+DECRYPT the reverse. Decryption streams too: plaintext is written before the tag is
+checked at the end, so on DATA_LOSS the destination holds unauthenticated bytes
+(`bytes_written` says how many) that the host must not use.
 """
 
 from __future__ import annotations
 
+import abc
+import hashlib
 import os
 from typing import Final
 
+import crc32c as crc32c_lib
 import lz4.frame
 import zstandard
+from backports import zstd as zstd_stream
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from dpu_agent.errors import DataLoss, InvalidArgument
+from dpu_wire.jobkinds import CODECS, JobKind
 
-FORMAT_LZ4: Final = 1
-FORMAT_ZSTD: Final = 2
-FORMATS: Final = {FORMAT_LZ4: "lz4", FORMAT_ZSTD: "zstd"}
 NONCE_BYTES: Final = 12
 TAG_BYTES: Final = 16
 KEY_SIZES: Final = (16, 24, 32)
 ZSTD_LEVEL: Final = 3
-
-
-def check_format(fmt: int) -> str:
-    """The format's name, or InvalidArgument."""
-    if fmt not in FORMATS:
-        raise InvalidArgument(f"unknown compression format {fmt} (1 lz4, 2 zstd)")
-    return FORMATS[fmt]
+ZSTD_WINDOW_LOG_MAX: Final = 24  # a Zstandard frame may ask for at most a 16 MiB window
 
 
 def check_key(key: bytes) -> bytes:
@@ -40,43 +46,181 @@ def check_key(key: bytes) -> bytes:
     return key
 
 
-def compress(fmt: int, data: bytes | bytearray) -> bytes:
-    """A self-describing frame of `data`."""
-    if check_format(fmt) == "lz4":
-        return bytes(lz4.frame.compress(bytes(data)))
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(bytes(data))
+def crc32c(data: memoryview | bytes, value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of `data`, continuing from `value`."""
+    return int(crc32c_lib.crc32c(data, value=value))
 
 
-def decompress(fmt: int, data: bytes | bytearray, limit: int) -> bytes:
-    """The data in a frame; InvalidArgument if it is not one or would exceed `limit`."""
-    name = check_format(fmt)
-    try:
-        if name == "lz4":
-            decoder = lz4.frame.LZ4FrameDecompressor()
-            out = bytes(decoder.decompress(bytes(data), max_length=limit))
-            complete = decoder.eof
+class Transform(abc.ABC):
+    """Input chunks in, output chunks out; used by one job, one call at a time."""
+
+    @abc.abstractmethod
+    def feed(self, data: bytes | memoryview, step: int) -> bytes:
+        """Take `data` (b"" to drain) and return at most `step` bytes of output."""
+
+    def more(self) -> bool:
+        """Whether the input given so far has output left (call `feed(b"", step)`)."""
+        return False
+
+    @abc.abstractmethod
+    def finish(self, step: int) -> bytes:
+        """The output after the last input (at most `step` bytes; call until b"")."""
+
+
+class _Compress(Transform):
+    """One frame whose header records the input's size (`total`), as one-shot APIs write."""
+
+    def __init__(self, codec: str, total: int) -> None:
+        self._codec = codec
+        self._pending = b""
+        self._finished = False
+        if codec == "lz4":
+            self._lz4 = lz4.frame.LZ4FrameCompressor()
+            self._pending = self._lz4.begin(source_size=total)
         else:
-            out = zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=limit)
-            complete = True
-    except (RuntimeError, zstandard.ZstdError) as exc:
-        raise InvalidArgument(f"the input is not a valid {name} frame ({exc})") from None
-    if not complete:
-        raise InvalidArgument(f"the decompressed data exceeds the destination ({limit} bytes)")
-    return out
+            self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=total)
+
+    def _take(self, out: bytes, step: int) -> bytes:
+        data = self._pending + out
+        self._pending = data[step:]
+        return data[:step]
+
+    def feed(self, data: bytes | memoryview, step: int) -> bytes:
+        if not data:
+            return self._take(b"", step)
+        if self._codec == "lz4":
+            return self._take(self._lz4.compress(bytes(data)), step)
+        return self._take(self._zstd.compress(data), step)
+
+    def more(self) -> bool:
+        return bool(self._pending)
+
+    def finish(self, step: int) -> bytes:
+        if not self._finished:
+            self._finished = True
+            tail = self._lz4.flush() if self._codec == "lz4" else self._zstd.flush()
+            return self._take(tail, step)
+        return self._take(b"", step)
 
 
-def encrypt(key: bytes, data: bytes | bytearray) -> bytes:
-    """Nonce || ciphertext || tag, with a fresh random nonce."""
-    nonce = os.urandom(NONCE_BYTES)
-    return nonce + AESGCM(check_key(key)).encrypt(nonce, bytes(data), None)
+class _Decompress(Transform):
+    def __init__(self, codec: str) -> None:
+        self._codec = codec
+        if codec == "lz4":
+            self._dec: lz4.frame.LZ4FrameDecompressor | zstd_stream.ZstdDecompressor = (
+                lz4.frame.LZ4FrameDecompressor()
+            )
+        else:
+            self._dec = zstd_stream.ZstdDecompressor(
+                options={zstd_stream.DecompressionParameter.window_log_max: ZSTD_WINDOW_LOG_MAX}
+            )
+
+    def feed(self, data: bytes | memoryview, step: int) -> bytes:
+        try:
+            return bytes(self._dec.decompress(bytes(data), max_length=step))
+        except (RuntimeError, zstd_stream.ZstdError) as exc:
+            raise InvalidArgument(f"the input is not a valid {self._codec} frame ({exc})") from None
+
+    def more(self) -> bool:
+        return not self._dec.needs_input and not self._dec.eof
+
+    def finish(self, step: int) -> bytes:  # noqa: ARG002 - nothing is held back
+        if not self._dec.eof:
+            raise InvalidArgument(f"the input ends before its {self._codec} frame does")
+        return b""
 
 
-def decrypt(key: bytes, data: bytes | bytearray) -> bytes:
-    """The plaintext of nonce || ciphertext || tag; DataLoss if the tag does not verify."""
-    if len(data) < NONCE_BYTES + TAG_BYTES:
-        raise InvalidArgument(f"the input is shorter than nonce and tag ({len(data)} bytes)")
-    nonce, sealed = bytes(data[:NONCE_BYTES]), bytes(data[NONCE_BYTES:])
-    try:
-        return AESGCM(check_key(key)).decrypt(nonce, sealed, None)
-    except InvalidTag:
-        raise DataLoss("AES-GCM authentication failed: wrong key or altered data") from None
+class _Encrypt(Transform):
+    def __init__(self, key: bytes) -> None:
+        nonce = os.urandom(NONCE_BYTES)
+        self._enc = Cipher(algorithms.AES(check_key(key)), modes.GCM(nonce)).encryptor()
+        self._pending = nonce
+        self._finished = False
+
+    def _take(self, out: bytes, step: int) -> bytes:
+        data = self._pending + out
+        self._pending = data[step:]
+        return data[:step]
+
+    def feed(self, data: bytes | memoryview, step: int) -> bytes:
+        return self._take(self._enc.update(data) if data else b"", step)
+
+    def more(self) -> bool:
+        return bool(self._pending)
+
+    def finish(self, step: int) -> bytes:
+        if not self._finished:
+            self._finished = True
+            tail = self._enc.finalize() + self._enc.tag
+            return self._take(tail, step)
+        return self._take(b"", step)
+
+
+class _Decrypt(Transform):
+    """nonce ‖ ciphertext ‖ tag, where the caller says how long the whole input is."""
+
+    def __init__(self, key: bytes, total: int) -> None:
+        if total < NONCE_BYTES + TAG_BYTES:
+            raise InvalidArgument(f"the input is shorter than nonce and tag ({total} bytes)")
+        self._key = check_key(key)
+        self._total = total
+        self._seen = 0
+        self._head = b""  # the nonce, while it is incomplete
+        self._tag = b""
+        self._dec: object | None = None
+        self._pending = b""
+
+    def feed(self, data: bytes | memoryview, step: int) -> bytes:
+        out = b""
+        if data:
+            view = memoryview(data)
+            start = self._seen
+            self._seen += len(view)
+            if start < NONCE_BYTES:
+                take = min(NONCE_BYTES - start, len(view))
+                self._head += bytes(view[:take])
+                view = view[take:]
+                start += take
+                if len(self._head) == NONCE_BYTES:
+                    self._dec = Cipher(algorithms.AES(self._key), modes.GCM(self._head)).decryptor()
+            body_end = self._total - TAG_BYTES
+            body = view[: max(0, body_end - start)]
+            self._tag += bytes(view[len(body) :])
+            if body and self._dec is not None:
+                out = self._dec.update(body)  # type: ignore[attr-defined]
+        data_out = self._pending + out
+        self._pending = data_out[step:]
+        return data_out[:step]
+
+    def more(self) -> bool:
+        return bool(self._pending)
+
+    def finish(self, step: int) -> bytes:
+        if self._dec is not None:
+            dec, self._dec = self._dec, None
+            try:
+                tail = dec.finalize_with_tag(self._tag)  # type: ignore[attr-defined]
+            except (InvalidTag, ValueError):
+                raise DataLoss("AES-GCM authentication failed: wrong key or altered data") from None
+            self._pending += tail
+        out, self._pending = self._pending[:step], self._pending[step:]
+        return out
+
+
+def transform(kind: JobKind, parameter: int, key: bytes, total: int) -> Transform:
+    """The transform of a COMPRESS/DECOMPRESS/ENCRYPT/DECRYPT job over `total` input bytes."""
+    if kind in (JobKind.COMPRESS, JobKind.DECOMPRESS):
+        codec = CODECS.get(parameter)
+        if codec is None:
+            raise InvalidArgument(f"unknown compression format {parameter} (1 lz4, 2 zstd)")
+        return _Compress(codec, total) if kind == JobKind.COMPRESS else _Decompress(codec)
+    if kind == JobKind.ENCRYPT:
+        return _Encrypt(key)
+    if kind == JobKind.DECRYPT:
+        return _Decrypt(key, total)
+    raise InvalidArgument(f"{kind.name} is not a transform")
+
+
+def sha256() -> hashlib._Hash:
+    """A SHA-256 accumulator (its update releases the GIL for large inputs)."""
+    return hashlib.sha256()

@@ -5,6 +5,9 @@ the SDK keeps open for the session's life). When the last stream ends (host gone
 network cut) and none comes back within `orphan_timeout`, the session is closed:
 its queue pair is destroyed and its regions forgotten.
 
+A session whose data plane failed stays listed, FAILED with its error, for
+`failed_retention` seconds (whether or not a host watches it), then it is forgotten.
+
 Each session belongs to the tenant that opened it; the services check ownership
 (`dpu_agent.auth`). Per tenant, `Quotas.max_sessions` bounds the open sessions and
 `Quotas.max_queue_depth` the sum of their queue depths (jobs in flight); sessions
@@ -23,7 +26,9 @@ import time
 from typing import TYPE_CHECKING, Final
 
 from dpu_agent import paging
-from dpu_agent.dataplane.session import Session, SessionSettings, SessionState
+from dpu_agent.dataplane.bus import CompletionBus
+from dpu_agent.dataplane.session import Session, SessionSettings
+from dpu_agent.dataplane.volumes import TenantVolumes
 from dpu_agent.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -37,12 +42,15 @@ from dpu_wire.transport.base import TcpAddress, TransportError, VerbsAddress
 from dpu_wire.v1 import agent_pb2
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
-    from dpu_agent.dataplane.jobs import JobRecord
-    from dpu_agent.metrics import AgentMetrics
+    from dpu_agent.dataplane.reactor import Reactor
+    from dpu_agent.dataplane.session import SessionEvents
     from dpu_agent.storage import VolumeStore
-    from dpu_wire.transport.base import AgentTransport, PeerAddress
+    from dpu_wire.transport.base import AgentLink, PeerAddress
+
+    LinkFactory = Callable[[PeerAddress, int, str], Awaitable[AgentLink]]
+    """(host address, queue depth, the gRPC peer's IP) -> a connected link."""
 
 log = logging.getLogger(__name__)
 
@@ -59,28 +67,32 @@ class ManagerSettings:
     max_queue_depth: int = 1024
     default_queue_depth: int = 32
     orphan_timeout: float = 10.0
+    failed_retention: float = 30.0
     chunk_size: int = 1 << 20
+    large_buffers: int = 4
     default_deadline: float = 60.0
 
 
 class SessionManager:
     """Owns every session; the gRPC services are thin layers over it."""
 
-    def __init__(  # noqa: PLR0913 - the manager's parts, metrics by keyword
+    def __init__(  # noqa: PLR0913 - the manager's parts, by keyword after the first
         self,
         settings: ManagerSettings,
-        transports: dict[int, Callable[[int], AgentTransport]],
-        on_completion: Callable[[Session, JobRecord], None] | None = None,
+        transports: dict[int, LinkFactory],
+        *,
+        reactor: Reactor,
+        bus: CompletionBus | None = None,
         store: VolumeStore | None = None,
         quotas: Quotas | None = None,
-        *,
-        metrics: AgentMetrics | None = None,
+        events: SessionEvents | None = None,
     ) -> None:
         self.settings = settings
         self._store = store
-        self._metrics = metrics
+        self._events = events
         self._transports = transports
-        self._on_completion = on_completion
+        self._reactor = reactor
+        self.bus = bus or CompletionBus()
         self._quotas = quotas or Quotas()
         self._sessions: dict[str, Session] = {}
         # (tenant, request_id) -> session id, for idempotent open; oldest forgotten first
@@ -129,6 +141,7 @@ class SessionManager:
         label: str,
         host: PeerAddress | None,
         request_id: str = "",
+        peer: str = "",
     ) -> Session:
         """Open a session and connect its data plane to the host."""
         if self._draining:
@@ -156,12 +169,12 @@ class SessionManager:
         reservation = (tenant, depth)
         self._connecting.append(reservation)
         try:
-            session = await self._connect(tenant, kind, depth, label, host)
+            session = await self._connect(tenant, kind, depth, label, host, peer)
         finally:
             self._connecting.remove(reservation)
         self._sessions[session.session_id] = session
-        if self._metrics is not None:
-            self._metrics.session_opened(kind)
+        if self._events is not None:
+            self._events.session_opened(kind)
         if request_id:
             self._by_request[remembered] = session.session_id
             while len(self._by_request) > MAX_REMEMBERED_OPENS:
@@ -178,30 +191,35 @@ class SessionManager:
         )
         return session
 
-    async def _connect(
-        self, tenant: str, kind: int, depth: int, label: str, host: PeerAddress
+    async def _connect(  # noqa: PLR0913, PLR0917 - the session's identity and its host
+        self, tenant: str, kind: int, depth: int, label: str, host: PeerAddress, peer: str
     ) -> Session:
-        session_id = "s-" + secrets.token_hex(6)
-        session = Session(
-            session_id,
-            tenant=tenant,
-            label=label,
-            transport_kind=kind,
-            transport=self._transports[kind](depth),
-            settings=SessionSettings(
-                queue_depth=depth,
-                chunk_size=self.settings.chunk_size,
-                default_deadline=self.settings.default_deadline,
-            ),
-            on_completion=self._on_completion,
-            store=self._store,
-            metrics=self._metrics,
-        )
         try:
-            await session.connect(host)
+            link = await self._transports[kind](host, depth, peer)
         except TransportError as exc:
-            await session.transport.close()
             raise Unavailable(f"cannot connect the data plane to the host: {exc}") from None
+        try:
+            session = Session(
+                "s-" + secrets.token_hex(6),
+                tenant=tenant,
+                label=label,
+                transport_kind=kind,
+                link=link,
+                settings=SessionSettings(
+                    queue_depth=depth,
+                    chunk_size=self.settings.chunk_size,
+                    large_buffers=self.settings.large_buffers,
+                    default_deadline=self.settings.default_deadline,
+                ),
+                reactor=self._reactor,
+                bus=self.bus,
+                storage=None if self._store is None else TenantVolumes(self._store, tenant),
+                events=self._events,
+            )
+        except BaseException:
+            link.close()
+            raise
+        session.start()
         return session
 
     def _choose_transport(self, requested: int, host: PeerAddress | None) -> int:
@@ -254,22 +272,55 @@ class SessionManager:
             now = time.monotonic()
             for session in list(self._sessions.values()):
                 since = session.unwatched_since
-                failed = session.state == SessionState.FAILED
-                if since is not None and now - since > self.settings.orphan_timeout:
+                failed_at = session.failed_at
+                if failed_at is not None:
+                    if now - failed_at <= self.settings.failed_retention:
+                        continue
+                    await session.close()
+                    reason = "orphaned" if session.host_gone else "failed"
+                elif since is not None and now - since > self.settings.orphan_timeout:
                     log.warning("closing orphaned session", extra={"session": session.name})
                     await session.close("host gone: no watcher")
-                elif failed and since is not None:
-                    await session.close()
+                    reason = "orphaned"
                 else:
                     continue
                 if self._sessions.pop(session.session_id, None) is not None:
-                    # a host that died closed its end of the link: orphaned too
-                    self._closed("failed" if failed and not session.host_gone else "orphaned")
+                    self._closed(reason)
 
     def sessions(self) -> list[Session]:
         """Every session."""
         return list(self._sessions.values())
 
+    def telemetry(self) -> dict[str, object]:
+        """How many sessions, by state, and their open jobs and counters (a snapshot).
+
+        The sums cover the sessions that exist now (a closed session's counters leave
+        with it), so they are a snapshot, not a monotonic total.
+        """
+        by_state: dict[str, int] = {}
+        totals = dict.fromkeys(
+            (
+                "open_jobs",
+                "jobs_submitted",
+                "jobs_completed",
+                "jobs_failed",
+                "bytes_read",
+                "bytes_written",
+            ),
+            0,
+        )
+        sessions = self.sessions()
+        for session in sessions:
+            by_state[session.state.name] = by_state.get(session.state.name, 0) + 1
+            c = session.counters
+            totals["open_jobs"] += session.open_jobs
+            totals["jobs_submitted"] += c.jobs_submitted
+            totals["jobs_completed"] += c.jobs_completed
+            totals["jobs_failed"] += c.jobs_failed
+            totals["bytes_read"] += c.bytes_read
+            totals["bytes_written"] += c.bytes_written
+        return {"sessions": len(sessions), "sessions_by_state": by_state, **totals}
+
     def _closed(self, reason: str) -> None:
-        if self._metrics is not None:
-            self._metrics.session_closed(reason)
+        if self._events is not None:
+            self._events.session_closed(reason)

@@ -64,6 +64,11 @@ class RegionTable:
         self._by_id[region.region_id] = region
         self._by_rkey[region.rkey] = region
 
+    def clear(self) -> None:
+        """Forget every region."""
+        self._by_id.clear()
+        self._by_rkey.clear()
+
     def remove(self, region_id: str) -> AdvertisedRegion:
         """Withdraw a region by id."""
         region = self._by_id.pop(region_id, None)

@@ -1,9 +1,16 @@
-"""A session: one host's data plane, its regions, its job queue and its completions.
+"""A session: one host's data plane, as the control plane sees and steers it.
 
-Jobs arrive two ways: as SUBMIT capsules on the data plane (the fast path, answered
-with a COMPLETION capsule) or through JobService.SubmitJob (the slow path). Either
-way a job finishes exactly once (`JobRecord.finish`), and every finished job is
-handed to the session's watchers (WatchCompletions streams) and event sinks.
+The session owns what the gRPC services act on: its identity and state, the regions
+the host advertised, the volumes it attached and the keys it registered, its
+WatchCompletions streams. Its jobs run in its `Pipeline` on the data-plane reactor's
+thread; the control plane hands work there (`Reactor.call`) and reads snapshots of
+the job tables back, and never waits on the reactor except for an answer it asked
+for (a SubmitJob admission, a close).
+
+Jobs arrive two ways: as SUBMIT capsules on the data plane (answered with a COMPLETION
+capsule) or through JobService.SubmitJob (answered on the watch streams). Either way a
+job finishes exactly once, and every finished job goes to the completion bus and the
+session's watchers.
 
 Job ids: the host picks ids below 2**63 for its capsules; the agent numbers the jobs
 it receives through gRPC from 2**63 up, so the two never collide.
@@ -12,62 +19,40 @@ it receives through gRPC from 2**63 up, so the two never collide.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import enum
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from dpu_agent import request_context, status
 from dpu_agent.dataplane import compute
-from dpu_agent.dataplane.jobs import (
-    JobRecord,
-    JobRunner,
-    JobState,
-    Origin,
-    StagingPool,
-    check_spans,
-)
+from dpu_agent.dataplane.bus import Watcher
+from dpu_agent.dataplane.pipeline import Pipeline, SessionHooks
 from dpu_agent.dataplane.regions import RegionTable
-from dpu_agent.errors import (
-    AgentError,
-    Cancelled,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
+from dpu_agent.dataplane.staging import Staging
+from dpu_agent.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from dpu_wire import capsule
-from dpu_wire.capsule import CapsuleError, JobKind, Span, State
-from dpu_wire.transport.base import PeerClosed, TransportError
+from dpu_wire.capsule import State
+from dpu_wire.transport.base import PeerClosed
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
+    from collections.abc import Sequence
 
-    from dpu_agent.metrics import AgentMetrics
-    from dpu_agent.storage import VolumeStore
-    from dpu_wire.transport.base import AgentTransport, PeerAddress
+    from dpu_agent.dataplane.admission import JobRequest
+    from dpu_agent.dataplane.bus import CompletionBus
+    from dpu_agent.dataplane.jobs import JobRecord, Origin
+    from dpu_agent.dataplane.pipeline import Counters
+    from dpu_agent.dataplane.reactor import Reactor
+    from dpu_agent.dataplane.runners import Storage
+    from dpu_wire.transport.base import AgentLink, PeerAddress, TransportError
 
 log = logging.getLogger(__name__)
 
-WATCHER_BACKLOG: Final = 65536
 MAX_WATCHERS: Final = 16  # WatchCompletions streams per session (the SDK holds one)
 MAX_ATTACHED_VOLUMES: Final = 1024
 MAX_KEYS: Final = 256
-KEYED_KINDS: Final = frozenset({JobKind.ENCRYPT, JobKind.DECRYPT})
-
-
-@dataclasses.dataclass(frozen=True)
-class VolumeTarget:
-    """Where a volume job acts: the volume, a byte offset, a length (trim), FUA (write)."""
-
-    volume_id: str = ""
-    offset: int = 0
-    length: int = 0
-    fua: bool = False
 
 
 class SessionState(enum.IntEnum):
@@ -86,41 +71,29 @@ class SessionSettings:
 
     queue_depth: int = 32
     chunk_size: int = 1 << 20
+    large_buffers: int = 4
     default_deadline: float = 60.0
     retained: int = 1024
 
 
-@dataclasses.dataclass
-class SessionCounters:
-    """64-bit counters of one session."""
+class SessionEvents(Protocol):
+    """Facts about sessions the agent counts (the metrics implement this)."""
 
-    jobs_submitted: int = 0
-    jobs_completed: int = 0
-    jobs_failed: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
+    def session_opened(self, transport: int) -> None:
+        """A session's data plane connected."""
 
+    def session_closed(self, reason: str) -> None:
+        """A session was closed and forgotten (closed, orphaned, failed, shutdown)."""
 
-class Watcher:
-    """One WatchCompletions stream: a queue of finished jobs, None at the end."""
+    def capsule_rejected(self) -> None:
+        """A capsule was answered without making a job."""
 
-    def __init__(self, origin: Origin | None = None) -> None:
-        self.queue: asyncio.Queue[JobRecord | None] = asyncio.Queue()
-        self.origin = origin
-        self.overflowed = False
-
-    def put(self, job: JobRecord | None) -> None:
-        """Queue a finished job (or the end marker); mark overflow instead of growing forever."""
-        if job is not None and self.origin is not None and job.origin != self.origin:
-            return
-        if job is not None and self.queue.qsize() >= WATCHER_BACKLOG:
-            self.overflowed = True
-            return
-        self.queue.put_nowait(job)
+    def dataplane_failed(self, transport: int) -> None:
+        """The session's data plane failed (the host closing its end aside)."""
 
 
-class Session:
-    """The agent side of one host session."""
+class Session(SessionHooks):
+    """One host's session (see the module docstring)."""
 
     def __init__(  # noqa: PLR0913 - the session's identity and its parts
         self,
@@ -129,114 +102,149 @@ class Session:
         tenant: str,
         label: str,
         transport_kind: int,
-        transport: AgentTransport,
+        link: AgentLink,
         settings: SessionSettings,
-        on_completion: Callable[[Session, JobRecord], None] | None = None,
-        store: VolumeStore | None = None,
-        metrics: AgentMetrics | None = None,
+        reactor: Reactor,
+        bus: CompletionBus,
+        storage: Storage | None = None,
+        events: SessionEvents | None = None,
     ) -> None:
         self.session_id = session_id
+        self.name = f"sessions/{session_id}"
         # made inside OpenSession: its x-request-id, carried by the capsule jobs' events
         self.open_request_id = request_context.request_id.get()
-        self._metrics = metrics
-        self.host_gone = False  # the data plane failed because the host closed its end
-        self.name = f"sessions/{session_id}"
         self.tenant = tenant
         self.label = label
         self.transport_kind = transport_kind
-        self.transport = transport
+        self.link = link
+        self.address: PeerAddress | None = link.address
         self.settings = settings
         self.state = SessionState.CONNECTING
         self.error: tuple[int, str] | None = None
+        self.failed_at: float | None = None  # monotonic time the data plane failed
+        self.host_gone = False  # the data plane failed because the host closed its end
         self.create_ns = time.time_ns()
         self.regions = RegionTable()
-        self.counters = SessionCounters()
-        self._on_completion = on_completion
-        self._open: dict[int, JobRecord] = {}
-        self._retained: collections.OrderedDict[int, JobRecord] = collections.OrderedDict()
-        self._by_request: dict[str, int] = {}
-        self._slots = asyncio.Semaphore(settings.queue_depth)
-        self._grpc_ids = itertools.count(capsule.AGENT_JOB_ID_BASE)
-        self._watchers: set[Watcher] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._pool: StagingPool | None = None
-        self._runner: JobRunner | None = None
-        self._capsule_task: asyncio.Task[None] | None = None
-        self.unwatched_since: float | None = time.monotonic()
         self.accepting = True  # False while the agent drains for shutdown
-        self._store = store
+        self.unwatched_since: float | None = time.monotonic()
+        self.ever_watched = False
+        self._reactor = reactor
+        self._bus = bus
+        self._events = events
+        self._loop = asyncio.get_running_loop()
+        self._watchers: tuple[Watcher, ...] = ()
         self._volumes: dict[int, str] = {}  # capsule handle -> volume id
         self._handles: dict[str, int] = {}
         self._next_handle = itertools.count(1)
         self._keys: dict[int, bytes] = {}  # encrypt/decrypt key handle -> key (memory only)
         self._next_key = itertools.count(1)
-        self._idle = asyncio.Event()  # set while no job is open
-        self._idle.set()
+        self._grpc_ids = itertools.count(capsule.AGENT_JOB_ID_BASE)
+        self._closing: asyncio.Future[None] | None = None
+        self._staging = Staging(
+            link,
+            queue_depth=settings.queue_depth,
+            chunk_size=settings.chunk_size,
+            large=settings.large_buffers,
+        )
+        self._pipeline = Pipeline(
+            hooks=self,
+            link=link,
+            reactor=reactor,
+            staging=self._staging,
+            regions=self.regions,
+            storage=storage,
+            queue_depth=settings.queue_depth,
+            default_deadline=settings.default_deadline,
+            open_request_id=self.open_request_id,
+            retained=settings.retained,
+        )
 
     # ------------------------------------------------------------------ lifecycle
-    async def connect(self, host: PeerAddress) -> None:
-        """Connect the data plane to the host and start taking capsules."""
-        await self.transport.connect(host)
-        self._pool = StagingPool(
-            self.transport, self.settings.chunk_size, self.settings.queue_depth
-        )
-        self._runner = JobRunner(self.transport, self._pool, self._store, tenant=self.tenant)
-        self._capsule_task = asyncio.create_task(self._capsule_loop(), name=f"{self.name}/capsules")
+    def start(self) -> None:
+        """The link is connected: hand it to the reactor and take jobs."""
         self.state = SessionState.ACTIVE
+        pipeline = self._pipeline
+        self._reactor.call(lambda: self._reactor.add(self.link, pipeline))
 
     async def close(self, reason: str = "session closed") -> None:
-        """Cancel open jobs, destroy the data plane, forget regions. Idempotent."""
-        if self.state in (SessionState.CLOSING, SessionState.CLOSED):
+        """Cancel open jobs (their completions are sent), destroy the data plane. Idempotent."""
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
             return
+        self._closing = self._loop.create_future()
         failed = self.state == SessionState.FAILED
         self.state = SessionState.CLOSING
-        await self._shutdown(State.CANCELLED, status.CANCELLED, reason)
-        self.state = SessionState.FAILED if failed else SessionState.CLOSED
+        done = self._loop.create_future()
 
-    async def _fail(self, exc: BaseException) -> None:
-        if self.state not in (SessionState.ACTIVE, SessionState.CONNECTING):
-            return
-        message = f"data plane failed: {exc}"
-        log.warning("session failed", extra={"session": self.name, "error": str(exc)})
-        self.state = SessionState.FAILED
-        self.error = (status.UNAVAILABLE, message)
-        self.host_gone = isinstance(exc, PeerClosed)
-        if self._metrics is not None and not self.host_gone:
-            self._metrics.dataplane_failed(self.transport_kind)
-        await self._shutdown(State.FAILED, status.UNAVAILABLE, message)
+        def closed() -> None:
+            self._loop.call_soon_threadsafe(_resolve, done)
 
-    async def _shutdown(self, state: State, code: int, reason: str) -> None:
-        for job in list(self._open.values()):
-            job.cancel_requested = True
-            completion = job.finish(state, code, reason)
-            if completion is not None:
-                self._publish(job)
-        await self.transport.close()  # pending RDMA ops fail, so job tasks end
-        current = asyncio.current_task()
-        tasks = [
-            t for t in (*self._tasks, self._capsule_task) if t is not None and t is not current
-        ]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._pool is not None:
-            self._pool.close()
-        for watcher in self._watchers:
-            watcher.put(None)
-        self.regions = RegionTable()
+        pipeline = self._pipeline
+        self._reactor.call(
+            lambda: pipeline.close(State.CANCELLED, status.CANCELLED, reason, closed)
+        )
+        await done
+        self._end_watchers()
+        self.regions.clear()
         self._keys.clear()
+        self.state = SessionState.FAILED if failed else SessionState.CLOSED
+        self._closing.set_result(None)
+
+    def _end_watchers(self) -> None:
+        for watcher in self._watchers:
+            watcher.send([None])
 
     @property
     def active(self) -> bool:
         """Whether the session takes jobs."""
         return self.state == SessionState.ACTIVE
 
-    def _require_active(self) -> None:
-        if not self.active:
+    # ------------------------------------------------------------------ reactor-side hooks
+    def check_accepting(self) -> None:
+        """FailedPrecondition unless ACTIVE; Unavailable while the agent drains."""
+        if self.state != SessionState.ACTIVE:
             detail = f": {self.error[1]}" if self.error else ""
             raise FailedPrecondition(f"{self.name} is {self.state.name}{detail}")
         if not self.accepting:
             raise Unavailable("the agent is shutting down and takes no new jobs")
+
+    def volume_of(self, handle: int) -> str | None:
+        """The volume attached under `handle`."""
+        return self._volumes.get(handle)
+
+    def key_of(self, handle: int) -> bytes | None:
+        """The AES key registered under `handle`."""
+        return self._keys.get(handle)
+
+    def finished(self, jobs: list[JobRecord]) -> None:
+        """Publish a pass's finished jobs: the bus, then this session's watchers."""
+        self._bus.publish(self, jobs)
+        for watcher in self._watchers:
+            wanted = [job for job in jobs if watcher.wants(job)]
+            if wanted:
+                watcher.send(wanted)
+
+    def data_plane_failed(self, error: TransportError) -> None:
+        """The link failed: FAILED (visible as such until the manager reaps it)."""
+        if self.state not in (SessionState.ACTIVE, SessionState.CONNECTING):
+            return
+        message = f"data plane failed: {error}"
+        log.warning("session failed", extra={"session": self.name, "error": str(error)})
+        self.state = SessionState.FAILED
+        self.error = (status.UNAVAILABLE, message)
+        self.failed_at = time.monotonic()
+        self.host_gone = isinstance(error, PeerClosed)
+        if self._events is not None and not self.host_gone:
+            self._events.dataplane_failed(self.transport_kind)
+        pipeline = self._pipeline
+        pipeline.end_pass()  # the failed jobs go out before the streams end
+        self._end_watchers()
+        pipeline.close(State.FAILED, status.UNAVAILABLE, message, lambda: None)
+
+    def rejected(self) -> None:
+        """Count a capsule answered without a job."""
+        if self._events is not None:
+            self._events.capsule_rejected()
 
     # ------------------------------------------------------------------ jobs
     @property
@@ -247,240 +255,81 @@ class Session:
     @property
     def open_jobs(self) -> int:
         """Jobs admitted and not finished."""
-        return len(self._open)
+        return len(self._pipeline.open)
 
-    async def submit(  # noqa: PLR0913 - a job's fields
-        self,
-        kind: JobKind,
-        source: Span,
-        destination: Span,
-        *,
-        volume: VolumeTarget | None = None,
-        parameter: int = 0,
-        deadline: float = 0.0,
-        request_id: str = "",
-        wait_for_slot: bool = False,
+    @property
+    def counters(self) -> Counters:
+        """The session's job counters."""
+        return self._pipeline.counters
+
+    def next_job_id(self) -> int:
+        """An id for a SubmitJob job (from 2**63 up)."""
+        return next(self._grpc_ids)
+
+    async def submit(
+        self, request: JobRequest, *, request_id: str = "", wait_for_slot: bool = False
     ) -> JobRecord:
-        """Queue a job from the gRPC path (idempotent on request_id)."""
-        self._require_active()
-        if request_id and request_id in self._by_request:
-            return self.job(self._by_request[request_id])
-        target = volume or VolumeTarget()
-        job = JobRecord(
-            job_id=next(self._grpc_ids),
-            kind=kind,
-            source=source,
-            destination=destination,
-            origin=Origin.GRPC,
-            deadline=time.monotonic() + (deadline or self.settings.default_deadline),
-            request_id=request_id,
-            rpc_request_id=request_context.request_id.get(),
-            volume_id=target.volume_id,
-            offset=target.offset,
-            length=target.length,
-            fua=target.fua,
-            parameter=parameter,
-            key=self._keys.get(parameter, b"") if kind in KEYED_KINDS else b"",
-        )
-        check_spans(job, self.regions)
-        if self._slots.locked() and not wait_for_slot:
-            raise ResourceExhausted(
-                f"{self.name}: all {self.queue_depth} queue slots are in use; "
-                "retry, or set wait_for_slot"
+        """Admit a SubmitJob job through the one admission path (idempotent on request_id)."""
+        self.check_accepting()
+        loop = self._loop
+        answered: asyncio.Future[JobRecord | BaseException] = loop.create_future()
+        rpc_request_id = request_context.request_id.get()
+
+        def answer(result: JobRecord | BaseException) -> None:
+            loop.call_soon_threadsafe(_resolve_with, answered, result)
+
+        pipeline = self._pipeline
+        self._reactor.call(
+            lambda: pipeline.submit_rpc(
+                request,
+                request_id=request_id,
+                rpc_request_id=rpc_request_id,
+                wait_for_slot=wait_for_slot,
+                answer=answer,
             )
-        await self._slots.acquire()
-        self._require_active()
-        if request_id:
-            self._by_request[request_id] = job.job_id
-        self._start(job)
-        return job
+        )
+        result = await answered
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def job(self, job_id: int) -> JobRecord:
         """An open or retained job."""
-        job = self._open.get(job_id) or self._retained.get(job_id)
-        if job is None:
+        pipeline = self._pipeline
+        found = pipeline.open.get(job_id) or pipeline.retained.get(job_id)
+        if found is None:
             raise NotFound(f"{self.name}/jobs/{job_id} does not exist (or is no longer retained)")
-        return job
+        return found
 
     def jobs(self) -> list[JobRecord]:
-        """Open and retained jobs, by id."""
-        return sorted([*self._open.values(), *self._retained.values()], key=lambda j: j.job_id)
+        """Open and retained jobs, by id (a snapshot)."""
+        pipeline = self._pipeline
+        found = [*list(pipeline.open.values()), *list(pipeline.retained.values())]
+        return sorted({job.job_id: job for job in found}.values(), key=lambda j: j.job_id)
 
     def cancel(self, job_id: int) -> JobRecord:
-        """Ask a job to stop; it completes CANCELLED unless it finishes first."""
+        """Ask a job to stop; it completes CANCELLED unless it finished already."""
         job = self.job(job_id)
-        job.cancel_requested = True
+        if not job.done:
+            job.cancel_requested = True
+            pipeline = self._pipeline
+            self._reactor.call(lambda: pipeline.cancel(job_id, "cancelled by request"))
         return job
 
-    async def wait_idle(self) -> None:
-        """Wait until no job is open."""
-        await self._idle.wait()
+    async def wait_idle(self, poll: float = 0.02) -> None:
+        """Wait until no job is open (polled: draining for shutdown is rare)."""
+        while self._pipeline.open and self.state == SessionState.ACTIVE:  # noqa: ASYNC110
+            await asyncio.sleep(poll)
 
-    def _start(self, job: JobRecord) -> None:
-        self._idle.clear()
-        self._open[job.job_id] = job
-        self.counters.jobs_submitted += 1
-        task = asyncio.create_task(self._execute(job), name=f"{self.name}/jobs/{job.job_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _execute(self, job: JobRecord) -> None:
-        assert self._runner is not None  # noqa: S101 - set by connect()
-        try:
-            if job.cancel_requested:
-                raise Cancelled("cancelled before it started")  # noqa: TRY301
-            job.start()
-            await self._runner.run(job)
-            job.finish(State.SUCCEEDED)
-        except Cancelled as exc:
-            job.finish(State.CANCELLED, status.CANCELLED, str(exc))
-        except AgentError as exc:
-            job.finish(State.FAILED, status.code_for(exc), str(exc))
-        except TransportError as exc:
-            job.finish(State.FAILED, status.UNAVAILABLE, f"data plane failed: {exc}")
-            self._spawn(self._fail(exc))
-        except asyncio.CancelledError:
-            job.finish(State.CANCELLED, status.CANCELLED, "session closed")
-            raise
-        except Exception:
-            log.exception("job failed unexpectedly", extra={"job": job.job_id})
-            job.finish(State.FAILED, status.code_for(RuntimeError()), "internal error")
-        finally:
-            self._slots.release()
-            await self._deliver(job)
-
-    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _deliver(self, job: JobRecord) -> None:
-        """Publish a finished job and, for capsule jobs, SEND its completion."""
-        if self._open.get(job.job_id) is not job:
-            return  # already delivered by _shutdown
-        self._publish(job)
-        completion = job.completion
-        if job.origin == Origin.CAPSULE and completion is not None and self.active:
-            try:
-                await self.transport.send(completion.encode())
-            except TransportError as exc:
-                await self._fail(exc)
-
-    def _publish(self, job: JobRecord) -> None:
-        self._open.pop(job.job_id, None)
-        if not self._open:
-            self._idle.set()
-        self._retained[job.job_id] = job
-        while len(self._retained) > self.settings.retained:
-            old_id, old = self._retained.popitem(last=False)
-            if old.request_id and self._by_request.get(old.request_id) == old_id:
-                del self._by_request[old.request_id]
-        counters = self.counters
-        if job.state == JobState.SUCCEEDED:
-            counters.jobs_completed += 1
-        else:
-            counters.jobs_failed += 1
-        counters.bytes_read += job.progress.bytes_read
-        counters.bytes_written += job.progress.bytes_written
-        for watcher in self._watchers:
-            watcher.put(job)
-        if self._metrics is not None:
-            self._metrics.job_finished(job, self.transport_kind)
-        if self._on_completion is not None:
-            self._on_completion(self, job)
-
-    # ------------------------------------------------------------------ capsules
-    async def _capsule_loop(self) -> None:
-        try:
-            while True:
-                data = await self.transport.recv()
-                try:
-                    message = capsule.decode(data)
-                except CapsuleError as exc:
-                    await self._reject(exc.job_id, status.INVALID_ARGUMENT, f"bad capsule: {exc}")
-                    continue
-                if isinstance(message, capsule.Submit):
-                    await self._on_submit(message)
-                elif isinstance(message, capsule.Cancel):
-                    if message.job_id in self._open:
-                        self._open[message.job_id].cancel_requested = True
-                else:
-                    await self._reject(
-                        message.job_id,
-                        status.INVALID_ARGUMENT,
-                        "bad capsule: hosts do not send COMPLETION",
-                    )
-        except TransportError as exc:
-            await self._fail(exc)
-
-    async def _reject(self, job_id: int, code: int, message: str) -> None:
-        """Answer a capsule that does not make a job (undecodable, duplicate id)."""
-        if self._metrics is not None:
-            self._metrics.capsule_rejected()
-        reply = capsule.Completion(job_id=job_id, state=State.FAILED, status=code, message=message)
-        await self.transport.send(reply.encode())
-
-    async def _on_submit(self, sub: capsule.Submit) -> None:
-        if sub.job_id >= capsule.AGENT_JOB_ID_BASE:
-            await self._reject(
-                sub.job_id, status.INVALID_ARGUMENT, "job ids >= 2**63 are the agent's"
-            )
-            return
-        if sub.job_id in self._open:
-            await self._reject(
-                sub.job_id, status.INVALID_ARGUMENT, f"job id {sub.job_id} is in use"
-            )
-            return
-        deadline = sub.deadline_ms / 1000 if sub.deadline_ms else self.settings.default_deadline
-        job = JobRecord(
-            job_id=sub.job_id,
-            kind=sub.kind,
-            source=sub.source,
-            destination=sub.destination,
-            origin=Origin.CAPSULE,
-            deadline=time.monotonic() + deadline,
-            rpc_request_id=self.open_request_id,
-            volume_id=self._volumes.get(sub.handle, ""),
-            offset=sub.offset,
-            length=sub.length,
-            fua=bool(sub.flags & capsule.FLAG_FUA),
-            parameter=sub.handle,
-            key=self._keys.get(sub.handle, b"") if sub.kind in KEYED_KINDS else b"",
-        )
-        try:
-            self._require_active()
-            if sub.kind in capsule.VOLUME_KINDS and sub.handle not in self._volumes:
-                raise InvalidArgument(
-                    f"no volume is attached to this session with handle {sub.handle}"
-                )
-            check_spans(job, self.regions)
-            if self._slots.locked():
-                raise ResourceExhausted(
-                    f"all {self.queue_depth} queue slots are in use (the host exceeded its credits)"
-                )
-        except AgentError as exc:
-            self._open[job.job_id] = job
-            job.finish(State.FAILED, status.code_for(exc), str(exc))
-            await self._deliver(job)
-            return
-        await self._slots.acquire()
-        self._start(job)
-
-    # ------------------------------------------------------------------ volumes
-    async def attach(self, volume_id: str) -> int:
+    # ------------------------------------------------------------------ volumes, keys
+    def attach(self, volume_id: str) -> int:
         """The handle capsules use for a volume (the same one if already attached).
 
-        Only a volume of the session's own tenant attaches; another tenant's answers
-        NotFound, as a missing one does.
+        The caller checked that the volume exists and is the session tenant's.
         """
-        self._require_active()
+        self.check_accepting()
         if volume_id in self._handles:
             return self._handles[volume_id]
-        if self._store is None:
-            raise FailedPrecondition("this agent has no volume store")
-        info = await asyncio.to_thread(self._store.get, volume_id)  # NotFound if it is missing
-        if info.tenant != self.tenant:
-            raise NotFound(f"volume {volume_id!r} does not exist")
         if len(self._volumes) >= MAX_ATTACHED_VOLUMES:
             raise ResourceExhausted(f"a session attaches at most {MAX_ATTACHED_VOLUMES} volumes")
         handle = next(self._next_handle)
@@ -488,12 +337,14 @@ class Session:
         self._handles[volume_id] = handle
         return handle
 
-    def check_attached(self, volume_id: str) -> None:
-        """FailedPrecondition unless the volume is attached (jobs name attached volumes only)."""
-        if volume_id not in self._handles:
+    def handle_of(self, volume_id: str) -> int:
+        """The attachment handle of a volume; FailedPrecondition if it is not attached."""
+        handle = self._handles.get(volume_id)
+        if handle is None:
             raise FailedPrecondition(
                 f"volumes/{volume_id} is not attached to {self.name} (AttachVolume first)"
             )
+        return handle
 
     def detach(self, volume_id: str) -> None:
         """Remove a volume's handle from the session."""
@@ -504,7 +355,7 @@ class Session:
 
     def register_key(self, key: bytes) -> int:
         """A handle for an AES key, for this session's encrypt and decrypt jobs."""
-        self._require_active()
+        self.check_accepting()
         compute.check_key(key)
         if len(self._keys) >= MAX_KEYS:
             raise ResourceExhausted(f"a session registers at most {MAX_KEYS} keys")
@@ -517,18 +368,35 @@ class Session:
         """A new watcher of finished jobs (ended at once if the session is over)."""
         if len(self._watchers) >= MAX_WATCHERS:
             raise ResourceExhausted(f"{self.name} is watched by {MAX_WATCHERS} streams already")
-        watcher = Watcher(origin)
+        watcher = Watcher(self._loop, origin)
         if include_retained:
-            for job in self._retained.values():
-                watcher.put(job)
-        if not self.active:
+            watcher.put_many([j for j in self._pipeline.retained.values() if watcher.wants(j)])
+        if self.state != SessionState.ACTIVE:
             watcher.put(None)
-        self._watchers.add(watcher)
+        self._watchers = (*self._watchers, watcher)
         self.unwatched_since = None
+        self.ever_watched = True
         return watcher
 
     def unwatch(self, watcher: Watcher) -> None:
         """Forget a watcher; with none left, the orphan clock starts."""
-        self._watchers.discard(watcher)
+        self._watchers = tuple(w for w in self._watchers if w is not watcher)
         if not self._watchers:
             self.unwatched_since = time.monotonic()
+
+    @property
+    def watchers(self) -> Sequence[Watcher]:
+        """The open WatchCompletions streams."""
+        return self._watchers
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _resolve_with(
+    future: asyncio.Future[JobRecord | BaseException], result: JobRecord | BaseException
+) -> None:
+    if not future.done():
+        future.set_result(result)

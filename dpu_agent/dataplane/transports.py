@@ -1,4 +1,17 @@
-"""Which data-plane transports this agent offers, and how to make one per session."""
+"""Which data-plane transports this agent offers, and how each makes a session's link.
+
+A factory takes the host's address from OpenSession, the session's queue depth and
+the address of the gRPC peer that asked, and returns a connected `AgentLink`:
+
+- verbs: an RC queue pair on the configured device, moved to RTS towards the host's QP
+  (nothing is sent until the host's first capsule arrives);
+- tcp: the agent dials the host's listener, but only where the authenticated caller is:
+  the host named in the endpoint must resolve to the gRPC peer's own address, or to a
+  network `[dataplane] tcp_allow` lists. Then the connection must prove it belongs to
+  the session (the host's HELLO carries the token the host sent in OpenSession) before
+  the agent sends a byte (`dpu_wire.transport.tcp.dial`). Every failure to connect
+  reads the same, so the agent cannot be used to tell closed from filtered ports.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +20,18 @@ import logging
 from typing import TYPE_CHECKING
 
 from dpu_agent.config import ConfigError
+from dpu_agent.dataplane.hostpolicy import Allow, check_host, parse_allow
 from dpu_agent.dataplane.manager import TRANSPORT_TCP, TRANSPORT_VERBS
-from dpu_wire.transport.tcp import TcpAgentTransport
+from dpu_wire.transport import tcp
+from dpu_wire.transport.base import TcpAddress, TransportError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from dpu_agent.config import AgentConfig
+    from dpu_agent.dataplane.manager import LinkFactory
     from dpu_agent.platform import RdmaDeviceInfo
-    from dpu_wire.transport.base import AgentTransport
+    from dpu_wire.transport.base import AgentLink, PeerAddress
 
 log = logging.getLogger(__name__)
 
@@ -29,30 +45,44 @@ def _active_device(devices: Sequence[RdmaDeviceInfo], wanted: str) -> str | None
     return None
 
 
-def _verbs(device: str, poll_mode: str, queue_depth: int) -> AgentTransport:
-    from dpu_wire.transport.verbs import VerbsAgentTransport  # noqa: PLC0415 - needs pyverbs
+async def _verbs(device: str, host: PeerAddress, queue_depth: int, _peer: str) -> AgentLink:
+    from dpu_wire.transport.verbs import VerbsAgentLink  # noqa: PLC0415 - needs pyverbs
 
-    return VerbsAgentTransport(device=device, queue_depth=queue_depth, poll_mode=poll_mode)
+    link = VerbsAgentLink(device=device, queue_depth=queue_depth)
+    try:
+        link.connect(host)
+    except BaseException:
+        link.close()
+        raise
+    return link
 
 
-def _tcp(_queue_depth: int) -> AgentTransport:
-    return TcpAgentTransport()
+async def _tcp(
+    allow: Allow,
+    op_timeout: float,
+    host: PeerAddress,
+    _queue_depth: int,
+    peer: str,
+) -> AgentLink:
+    if not isinstance(host, TcpAddress):
+        raise TransportError("the tcp transport needs a tcp host endpoint")
+    await check_host(host.host, peer, allow)
+    sock, token = await tcp.dial(host)
+    return tcp.TcpAgentLink(sock, token, op_timeout=op_timeout)
 
 
-def factories(
-    config: AgentConfig, devices: Sequence[RdmaDeviceInfo]
-) -> dict[int, Callable[[int], AgentTransport]]:
-    """Transport number → factory(queue_depth), per the configuration and the hardware.
+def factories(config: AgentConfig, devices: Sequence[RdmaDeviceInfo]) -> dict[int, LinkFactory]:
+    """Transport number → link factory, per the configuration and the hardware.
 
     `auto` offers verbs when an RDMA port is ACTIVE, and tcp always. Naming verbs
     explicitly without a usable device is a configuration error.
     """
     wanted = ["verbs", "tcp"] if config.transports == "auto" else config.transports.split(",")
-    result: dict[int, Callable[[int], AgentTransport]] = {}
+    result: dict[int, LinkFactory] = {}
     if "verbs" in wanted:
         device = _active_device(devices, config.rdma_device)
         if device is not None:
-            result[TRANSPORT_VERBS] = functools.partial(_verbs, device, config.poll_mode)
+            result[TRANSPORT_VERBS] = functools.partial(_verbs, device)
         elif config.transports != "auto":
             which = f"RDMA device {config.rdma_device!r} has" if config.rdma_device else "no RDMA"
             which += " no ACTIVE port" if config.rdma_device else " device has an ACTIVE port"
@@ -60,5 +90,9 @@ def factories(
         else:
             log.info("no ACTIVE RDMA port: sessions use the tcp transport")
     if "tcp" in wanted:
-        result[TRANSPORT_TCP] = _tcp
+        try:
+            allow = parse_allow(config.tcp_allow)
+        except ValueError as exc:
+            raise ConfigError(f"dataplane.tcp_allow: {exc}") from None
+        result[TRANSPORT_TCP] = functools.partial(_tcp, allow, config.op_timeout)
     return result

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from google.protobuf import timestamp_pb2
 
+from dpu_agent.dataplane.jobs import JobState
 from dpu_agent.errors import InvalidArgument
 from dpu_wire import endpoints, names
-from dpu_wire.capsule import State
+from dpu_wire.jobkinds import Result
 from dpu_wire.transport.base import Access, PeerAddress, TcpAddress, VerbsAddress
+from dpu_wire.transport.tcp import TOKEN_BYTES
 from dpu_wire.v1 import common_pb2, job_pb2, session_pb2
 
 if TYPE_CHECKING:
@@ -57,6 +60,10 @@ def peer_address(endpoint: session_pb2.Endpoint) -> PeerAddress | None:
     if isinstance(address, TcpAddress):
         if not address.host or not 0 < address.port < 65536:
             raise InvalidArgument("host_endpoint.tcp: host and a port 1..65535 are required")
+        if len(address.token) != TOKEN_BYTES:
+            raise InvalidArgument(
+                f"host_endpoint.tcp.token must be {TOKEN_BYTES} random bytes (the host's HELLO)"
+            )
     elif isinstance(address, VerbsAddress):
         if len(address.gid) != GID_BYTES:
             raise InvalidArgument(f"host_endpoint.verbs.gid must be {GID_BYTES} bytes")
@@ -67,8 +74,12 @@ def peer_address(endpoint: session_pb2.Endpoint) -> PeerAddress | None:
     return address
 
 
-def session(s: Session) -> session_pb2.Session:
-    """The proto form of a session."""
+def session(s: Session, *, with_token: bool = False) -> session_pb2.Session:
+    """The proto form of a session; the agent's tcp token only when `with_token`.
+
+    The token is a secret of the session's data plane: OpenSession's answer carries it
+    to the host, GetSession and ListSessions do not.
+    """
     c = s.counters
     message = session_pb2.Session(
         name=s.name,
@@ -77,7 +88,7 @@ def session(s: Session) -> session_pb2.Session:
         state=int(s.state),  # type: ignore[arg-type]
         queue_depth=s.queue_depth,
         client_label=s.label,
-        agent_endpoint=endpoints.to_proto(s.transport.address),
+        agent_endpoint=endpoints.to_proto(_shown(s.address, with_token=with_token)),
         times=common_pb2.ResourceTimes(create_time=timestamp(s.create_ns)),
         counters=session_pb2.SessionCounters(
             jobs_submitted=c.jobs_submitted,
@@ -91,6 +102,12 @@ def session(s: Session) -> session_pb2.Session:
     if s.error is not None:
         message.error.code, message.error.message = s.error
     return message
+
+
+def _shown(address: PeerAddress | None, *, with_token: bool) -> PeerAddress | None:
+    if isinstance(address, TcpAddress) and not with_token:
+        return dataclasses.replace(address, token=b"")
+    return address
 
 
 ACCESS_FROM_PROTO = {
@@ -123,25 +140,26 @@ def region(s: Session, r: AdvertisedRegion) -> session_pb2.MemoryRegion:
 
 def completion(s: Session, job: JobRecord) -> job_pb2.Completion:
     """The proto form of a finished job's completion."""
-    c = job.completion
-    if c is None:
-        return job_pb2.Completion(job=f"{s.name}/jobs/{job.job_id}", job_id=job.job_id)
+    name = f"{s.name}/jobs/{job.job_id}"
+    if not job.done:
+        return job_pb2.Completion(job=name, job_id=job.job_id)
     message = job_pb2.Completion(
-        job=f"{s.name}/jobs/{job.job_id}",
+        job=name,
         job_id=job.job_id,
-        state=int(c.state),  # type: ignore[arg-type]
-        status=common_pb2.Status(code=c.status, message=c.message),
-        bytes_read=c.bytes_read,
-        bytes_written=c.bytes_written,
-        submit_time=timestamp(c.submit_ns),
-        start_time=timestamp(c.start_ns),
-        end_time=timestamp(c.end_ns),
+        state=int(job.state),  # type: ignore[arg-type]
+        status=common_pb2.Status(code=job.status, message=job.message),
+        bytes_read=job.bytes_read,
+        bytes_written=job.bytes_written,
+        submit_time=timestamp(job.submit_ns),
+        start_time=timestamp(job.start_ns),
+        end_time=timestamp(job.end_ns),
         request_id=job.request_id,
     )
-    if c.state == State.SUCCEEDED and job.kind.name == "CRC32C":
-        message.crc32c = c.result
-    if c.state == State.SUCCEEDED and job.digest:
-        message.sha256 = job.digest
+    if job.state == JobState.SUCCEEDED:
+        if job.row.result is Result.CRC32C:
+            message.crc32c = job.result
+        if job.digest:
+            message.sha256 = job.digest
     return message
 
 
@@ -156,6 +174,6 @@ def job(s: Session, record: JobRecord, spec: job_pb2.JobSpec | None = None) -> j
     )
     if spec is not None:
         message.spec.CopyFrom(spec)
-    if record.completion is not None:
+    if record.done:
         message.completion.CopyFrom(completion(s, record))
     return message

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent import paging
+from dpu_agent.dataplane.admission import JobRequest
 from dpu_agent.dataplane.jobs import Origin
-from dpu_agent.dataplane.session import VolumeTarget
 from dpu_agent.errors import InvalidArgument, ResourceExhausted, Unavailable
 from dpu_agent.services import convert
 from dpu_agent.services.sessions import owned_session
 from dpu_wire import capsule, names
-from dpu_wire.capsule import JobKind, Span
+from dpu_wire.capsule import ZERO_SPAN, Span
+from dpu_wire.jobkinds import BY_FIELD, FLAG_FUA, Handle
 from dpu_wire.v1 import job_pb2, job_pb2_grpc
 
 if TYPE_CHECKING:
@@ -29,78 +30,12 @@ if TYPE_CHECKING:
     from dpu_wire.v1 import common_pb2
 
 _ORIGINS = {job_pb2.JOB_ORIGIN_CAPSULE: Origin.CAPSULE, job_pb2.JOB_ORIGIN_RPC: Origin.GRPC}
+_KIND_NAMES = ", ".join(BY_FIELD)
 
 
 def _span(session: Session, ref: common_pb2.RegionRef, what: str) -> Span:
     region = convert.region_id(session, ref.region, f"{what}.region")
     return session.regions.span_of(region, ref.offset, ref.length, what)
-
-
-def _volume(session: Session, name: str, what: str) -> str:
-    volume_id = convert.resource_id(name, "volumes", f"{what}.volume")
-    session.check_attached(volume_id)
-    return volume_id
-
-
-_COMPUTE: dict[str, JobKind] = {
-    "sha256": JobKind.SHA256,
-    "compress": JobKind.COMPRESS,
-    "decompress": JobKind.DECOMPRESS,
-    "encrypt": JobKind.ENCRYPT,
-    "decrypt": JobKind.DECRYPT,
-}
-
-
-def _compute_fields(session: Session, spec: job_pb2.JobSpec, kind: str) -> tuple[Span, Span, int]:
-    """(source, destination, parameter) of a compute JobSpec."""
-    job = getattr(spec, kind)
-    where = f"spec.{kind}"
-    src = _span(session, job.source, f"{where}.source")
-    dst = _span(session, job.destination, f"{where}.destination")
-    parameter = 0
-    if kind in ("compress", "decompress"):
-        parameter = int(job.format)
-    elif kind in ("encrypt", "decrypt"):
-        parameter = int(job.key_handle)
-    return src, dst, parameter
-
-
-def _job_fields(
-    session: Session, spec: job_pb2.JobSpec
-) -> tuple[JobKind, Span, Span, VolumeTarget | None]:
-    """(kind, source span, destination span, volume target) of a non-compute JobSpec."""
-    kind = spec.WhichOneof("kind")
-    where = f"spec.{kind}"
-    if kind == "copy":
-        src = _span(session, spec.copy.source, f"{where}.source")
-        return (
-            JobKind.COPY,
-            src,
-            _span(session, spec.copy.destination, f"{where}.destination"),
-            None,
-        )
-    if kind == "crc32c":
-        return JobKind.CRC32C, _span(session, spec.crc32c.source, f"{where}.source"), Span(), None
-    if kind == "volume_write":
-        w = spec.volume_write
-        target = VolumeTarget(_volume(session, w.volume, where), w.offset, fua=w.fua)
-        return JobKind.VOLUME_WRITE, _span(session, w.source, f"{where}.source"), Span(), target
-    if kind == "volume_read":
-        r = spec.volume_read
-        target = VolumeTarget(_volume(session, r.volume, where), r.offset)
-        dst = _span(session, r.destination, f"{where}.destination")
-        return JobKind.VOLUME_READ, Span(), dst, target
-    if kind == "volume_flush":
-        target = VolumeTarget(_volume(session, spec.volume_flush.volume, where))
-        return JobKind.VOLUME_FLUSH, Span(), Span(), target
-    if kind == "volume_trim":
-        t = spec.volume_trim
-        target = VolumeTarget(_volume(session, t.volume, where), t.offset, t.length)
-        return JobKind.VOLUME_TRIM, Span(), Span(), target
-    raise InvalidArgument(
-        "spec: a job kind is required (copy, crc32c, volume_write, volume_read, "
-        "volume_flush, volume_trim, sha256, compress, decompress, encrypt, decrypt)"
-    )
 
 
 MAX_DEADLINE_S = capsule.U32_MAX // 1000
@@ -116,6 +51,44 @@ def _deadline(spec: job_pb2.JobSpec) -> float:
             f"not {seconds} s {nanos} ns"
         )
     return seconds + nanos / 1e9
+
+
+def job_request(session: Session, spec: job_pb2.JobSpec) -> JobRequest:
+    """The SUBMIT fields of a JobSpec, by the job-kind table (`dpu_wire.jobkinds`).
+
+    Region references become spans; a volume name becomes the session's attachment
+    handle (it must be attached); a codec or key handle goes in `handle`.
+    """
+    field = spec.WhichOneof("kind") or ""
+    row = BY_FIELD.get(field)
+    if row is None:
+        raise InvalidArgument(f"spec: a job kind is required ({_KIND_NAMES})")
+    job: Any = getattr(spec, field)
+    where = f"spec.{field}"
+    source = _span(session, job.source, f"{where}.source") if row.source else ZERO_SPAN
+    destination = (
+        _span(session, job.destination, f"{where}.destination") if row.destination else ZERO_SPAN
+    )
+    handle = 0
+    if row.handle is Handle.VOLUME:
+        volume_id = convert.resource_id(job.volume, "volumes", f"{where}.volume")
+        handle = session.handle_of(volume_id)
+    elif row.handle is Handle.CODEC:
+        handle = int(job.format)
+    elif row.handle is Handle.KEY:
+        handle = int(job.key_handle)
+    flags = FLAG_FUA if row.flags & FLAG_FUA and job.fua else 0
+    return JobRequest(
+        session.next_job_id(),
+        row.kind,
+        source,
+        destination,
+        _deadline(spec),
+        offset=int(job.offset) if row.offset else 0,
+        handle=handle,
+        length=int(job.length) if row.length else 0,
+        flags=flags,
+    )
 
 
 def _job_id(name: str) -> tuple[str, int]:
@@ -136,25 +109,13 @@ class JobService(job_pb2_grpc.JobServiceServicer):
     ) -> job_pb2.Job:
         """Queue a job on a session."""
         session = owned_session(self._manager, request.session)
-        spec = request.spec
-        kind_name = spec.WhichOneof("kind") or ""
-        parameter = 0
-        if kind_name in _COMPUTE:
-            kind, volume = _COMPUTE[kind_name], None
-            source, destination, parameter = _compute_fields(session, spec, kind_name)
-        else:
-            kind, source, destination, volume = _job_fields(session, spec)
+        session.check_accepting()
         record = await session.submit(
-            kind,
-            source,
-            destination,
-            volume=volume,
-            parameter=parameter,
-            deadline=_deadline(spec),
+            job_request(session, request.spec),
             request_id=request.request_id,
             wait_for_slot=request.wait_for_slot,
         )
-        return convert.job(session, record, spec)
+        return convert.job(session, record, request.spec)
 
     async def GetJob(
         self, request: job_pb2.GetJobRequest, context: grpc.aio.ServicerContext[Any, Any]

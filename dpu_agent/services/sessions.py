@@ -8,10 +8,12 @@ volumes of its own tenant.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent import auth
 from dpu_agent.dataplane.regions import AdvertisedRegion
+from dpu_agent.errors import FailedPrecondition, NotFound
 from dpu_agent.services import convert
 from dpu_wire import names
 from dpu_wire.v1 import session_pb2, session_pb2_grpc
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 
     from dpu_agent.dataplane.manager import SessionManager
     from dpu_agent.dataplane.session import Session
+    from dpu_agent.storage import VolumeStore
 
 
 def owned_session(manager: SessionManager, name: str) -> Session:
@@ -33,8 +36,17 @@ def owned_session(manager: SessionManager, name: str) -> Session:
 class SessionService(session_pb2_grpc.SessionServiceServicer):
     """Thin gRPC layer over the SessionManager."""
 
-    def __init__(self, manager: SessionManager) -> None:
+    def __init__(self, manager: SessionManager, store: VolumeStore | None = None) -> None:
         self._manager = manager
+        self._store = store
+
+    async def _check_volume(self, session: Session, volume_id: str) -> None:
+        """NotFound unless the volume exists and is the session tenant's (as if missing)."""
+        if self._store is None:
+            raise FailedPrecondition("this agent has no volume store")
+        info = await asyncio.to_thread(self._store.get, volume_id)
+        if info.tenant != session.tenant:
+            raise NotFound(f"volume {volume_id!r} does not exist")
 
     async def OpenSession(
         self, request: session_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -47,8 +59,9 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
             label=request.client_label,
             host=convert.peer_address(request.host_endpoint),
             request_id=request.request_id,
+            peer=context.peer() or "",
         )
-        return convert.session(session)
+        return convert.session(session, with_token=True)
 
     async def GetSession(
         self, request: session_pb2.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -113,7 +126,8 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         """Give a volume of the session's tenant a handle for this session's jobs."""
         session = owned_session(self._manager, request.session)
         (volume_id,) = names.parse_name(request.volume, "volumes")
-        handle = await session.attach(volume_id)
+        await self._check_volume(session, volume_id)
+        handle = session.attach(volume_id)
         return session_pb2.VolumeAttachment(
             session=session.name, volume=request.volume, handle=handle
         )

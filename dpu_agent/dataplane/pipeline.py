@@ -1,0 +1,607 @@
+"""A session's job pipeline on the reactor thread: capsules in, jobs run, completions out.
+
+Everything here runs on the reactor thread (`reactor.Reactor`), which owns the
+session's link. Capsules are decoded straight from the receive buffer, admitted
+(`admission.admit`, the path SubmitJob jobs take too), given staging buffers and run:
+each job is a generator from `runners` that the pipeline resumes as its operations
+complete. A finished job frees its queue slot, its COMPLETION is posted (capsule jobs;
+after the job's last WRITE, which RC ordering lands first), and at the end of the
+reactor's pass the pass's finished jobs go to the completion bus and the session's
+watchers in one batch.
+
+Cancellation and deadlines end a job at once, even with an operation in flight (the
+job's buffers stay out of the pool until that operation completes); deadlines of jobs
+waiting on something are checked every `SWEEP_S`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+from dpu_agent import status
+from dpu_agent.dataplane.admission import JobRequest, admit
+from dpu_agent.dataplane.jobs import JobRecord, Origin
+from dpu_agent.dataplane.runners import RUNNERS, Io, Read, Sleep, Work, Write, buffers_needed
+from dpu_agent.errors import AgentError, DeadlineExceeded, ResourceExhausted
+from dpu_wire import capsule
+from dpu_wire.capsule import CapsuleError, Opcode, Span, State
+from dpu_wire.jobkinds import JobKind
+from dpu_wire.transport.base import LinkSink, TransportError
+
+if TYPE_CHECKING:
+    import concurrent.futures
+    from collections.abc import Callable, Generator
+
+    from dpu_agent.dataplane.reactor import Reactor, Timer
+    from dpu_agent.dataplane.regions import RegionTable
+    from dpu_agent.dataplane.runners import Op, Storage
+    from dpu_agent.dataplane.staging import Buffer, Staging
+    from dpu_wire.transport.base import AgentLink
+
+log = logging.getLogger(__name__)
+
+SWEEP_S: Final = 0.1  # how often deadlines of waiting jobs are checked
+CLOSE_DRAIN_S: Final = 0.5  # how long a closing session waits for its last SENDs
+MAX_WAITING: Final = 4096  # SubmitJob requests waiting for a slot, per session
+
+
+class SessionHooks:
+    """What the pipeline tells and asks its session (implemented by `Session`)."""
+
+    def check_accepting(self) -> None:
+        """FailedPrecondition unless ACTIVE; Unavailable while the agent drains."""
+        raise NotImplementedError
+
+    def volume_of(self, handle: int) -> str | None:
+        """The volume attached under `handle`."""
+        raise NotImplementedError
+
+    def key_of(self, handle: int) -> bytes | None:
+        """The AES key registered under `handle`."""
+        raise NotImplementedError
+
+    def finished(self, jobs: list[JobRecord]) -> None:
+        """A pass's finished jobs (publish them)."""
+        raise NotImplementedError
+
+    def data_plane_failed(self, error: TransportError) -> None:
+        """The link failed (the pipeline has already failed every open job)."""
+        raise NotImplementedError
+
+    def rejected(self) -> None:
+        """A capsule was answered without making a job."""
+        raise NotImplementedError
+
+
+class Counters:
+    """A session's 64-bit job counters (written on the reactor thread)."""
+
+    __slots__ = ("bytes_read", "bytes_written", "jobs_completed", "jobs_failed", "jobs_submitted")
+
+    def __init__(self) -> None:
+        self.jobs_submitted = 0
+        self.jobs_completed = 0
+        self.jobs_failed = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+
+class _Run:
+    """A running job: its generator, its buffers and what it waits for."""
+
+    __slots__ = ("buffers", "gen", "job", "pending", "timer", "token")
+
+    def __init__(self, job: JobRecord, token: int) -> None:
+        self.job = job
+        self.token = token
+        self.gen: Generator[Any, Any, None] | None = None
+        self.buffers: list[Buffer] = []
+        self.pending = 0  # link operations in flight with this run's token
+        self.timer: Timer | None = None
+
+
+class Pipeline(LinkSink):
+    """The reactor-side half of a session (see the module docstring)."""
+
+    def __init__(  # noqa: PLR0913 - the session's parts
+        self,
+        *,
+        hooks: SessionHooks,
+        link: AgentLink,
+        reactor: Reactor,
+        staging: Staging,
+        regions: RegionTable,
+        storage: Storage | None,
+        queue_depth: int,
+        default_deadline: float,
+        open_request_id: str = "",
+        retained: int = 1024,
+    ) -> None:
+        self._hooks = hooks
+        self.link = link
+        self._reactor = reactor
+        self._staging = staging
+        self.regions = regions
+        self._storage = storage
+        self.queue_depth = queue_depth
+        self.default_deadline = default_deadline
+        self._open_request_id = open_request_id
+        self._retained_max = retained
+        self.open: dict[int, JobRecord] = {}
+        self.retained: collections.OrderedDict[int, JobRecord] = collections.OrderedDict()
+        self.by_request: dict[str, int] = {}
+        self._runs: dict[int, _Run] = {}  # by token
+        self._run_of: dict[int, _Run] = {}  # by job id
+        self._next_token = 1
+        self._finished: list[JobRecord] = []
+        self._backlog: collections.deque[tuple[bytes, int | None]] = collections.deque()
+        # SubmitJob requests waiting for a slot: the job (admitted) and who to answer
+        self._waiting: collections.deque[
+            tuple[JobRecord, Callable[[JobRecord | BaseException], None]]
+        ] = collections.deque()
+        self._sweeper: Timer | None = None
+        self.failed = False
+        self.closed = False
+        self.counters = Counters()
+
+    # ------------------------------------------------------------ LinkOwner
+
+    @property
+    def sink(self) -> LinkSink:
+        """Where the link's completions and capsules go: here."""
+        return self
+
+    def end_pass(self) -> None:
+        """Push out what this pass posted and publish the jobs that finished."""
+        if self._backlog:
+            self._send_backlog()
+        self.link.flush()
+        if self._finished:
+            batch, self._finished = self._finished, []
+            self._hooks.finished(batch)
+
+    def link_failed(self) -> None:
+        """The link reported an error."""
+        error = self.link.error
+        if error is not None:
+            self.fail(error)
+
+    # ------------------------------------------------------------ AdmissionContext
+
+    def check_accepting(self) -> None:
+        """See `SessionHooks.check_accepting`."""
+        self._hooks.check_accepting()
+
+    def volume_of(self, handle: int) -> str | None:
+        """See `SessionHooks.volume_of`."""
+        return self._hooks.volume_of(handle)
+
+    def key_of(self, handle: int) -> bytes | None:
+        """See `SessionHooks.key_of`."""
+        return self._hooks.key_of(handle)
+
+    # ------------------------------------------------------------ capsules
+
+    def on_capsule(self, data: memoryview) -> None:
+        """A capsule arrived: SUBMIT, CANCEL, or something to refuse."""
+        now_ns = time.time_ns()
+        try:
+            self._dispatch(data, now_ns)
+        except CapsuleError as exc:
+            self._reject(exc.job_id, f"bad capsule: {exc}", now_ns)
+
+    def _dispatch(self, data: memoryview, now_ns: int) -> None:
+        opcode, job_id = capsule.peek_header(data)
+        if opcode == Opcode.SUBMIT:
+            self._on_submit(capsule.submit_fields(data), now_ns)
+        elif opcode == Opcode.CANCEL:
+            if len(data) != capsule.CANCEL_SIZE:
+                raise CapsuleError(
+                    f"CANCEL capsule must be {capsule.CANCEL_SIZE} bytes, not {len(data)}", job_id
+                )
+            self.cancel(job_id, "cancelled by request")
+        elif opcode == Opcode.COMPLETION:
+            capsule.completion_fields(data)
+            self._reject(job_id, "bad capsule: hosts do not send COMPLETION", now_ns)
+        else:
+            raise CapsuleError(f"unknown opcode {opcode}", job_id)
+
+    def _on_submit(self, f: capsule.SubmitFields, now_ns: int) -> None:
+        job_id = f[0]
+        if job_id >= capsule.AGENT_JOB_ID_BASE:
+            self._reject(job_id, "job ids >= 2**63 are the agent's", now_ns)
+            return
+        if job_id in self.open:
+            self._reject(job_id, f"job id {job_id} is in use", now_ns)
+            return
+        request = JobRequest(
+            job_id, f[1], Span(f[4], f[5], f[6]), Span(f[7], f[8], f[9]),
+            f[3] / 1000, f[10], f[11], f[12], f[2],
+        )  # fmt: skip
+        try:
+            job = admit(
+                self,
+                request,
+                Origin.CAPSULE,
+                rpc_request_id=self._open_request_id,
+                submit_ns=now_ns,
+            )
+            if len(self.open) >= self.queue_depth:
+                raise ResourceExhausted(
+                    f"all {self.queue_depth} queue slots are in use (the host exceeded its credits)"
+                )
+        except AgentError as exc:
+            failed = JobRecord(
+                job_id, JobKind(f[1]), request.source, request.destination, Origin.CAPSULE, 0.0,
+                rpc_request_id=self._open_request_id, submit_ns=now_ns,
+            )  # fmt: skip
+            self.counters.jobs_submitted += 1
+            self._end(failed, None, State.FAILED, status.code_for(exc), str(exc))
+            return
+        self._start(job)
+
+    def _reject(self, job_id: int, message: str, now_ns: int) -> None:
+        """Answer a capsule that makes no job (undecodable, duplicate or reserved id)."""
+        self._hooks.rejected()
+        reply = capsule.pack_completion(
+            job_id, State.FAILED, status.INVALID_ARGUMENT, 0, 0, 0, now_ns, 0, now_ns, message
+        )
+        self._send(reply, None)
+
+    # ------------------------------------------------------------ SubmitJob
+
+    def submit_rpc(
+        self,
+        request: JobRequest,
+        *,
+        request_id: str,
+        rpc_request_id: str,
+        wait_for_slot: bool,
+        answer: Callable[[JobRecord | BaseException], None],
+    ) -> None:
+        """Admit a SubmitJob request; `answer` gets the job (or the error), maybe later.
+
+        Idempotent on `request_id`. Without a free slot the request waits for one when
+        `wait_for_slot`, else fails with ResourceExhausted.
+        """
+        try:
+            if request_id and request_id in self.by_request:
+                answer(self.job(self.by_request[request_id]))
+                return
+            job = admit(
+                self, request, Origin.GRPC, request_id=request_id, rpc_request_id=rpc_request_id
+            )
+        except AgentError as exc:
+            answer(exc)
+            return
+        if len(self.open) < self.queue_depth:
+            self._admit_rpc(job, answer)
+        elif not wait_for_slot:
+            answer(
+                ResourceExhausted(
+                    f"all {self.queue_depth} queue slots are in use; retry, or set wait_for_slot"
+                )
+            )
+        elif len(self._waiting) >= MAX_WAITING:
+            answer(ResourceExhausted(f"{MAX_WAITING} SubmitJob requests already wait for a slot"))
+        else:
+            self._waiting.append((job, answer))
+            self._arm_sweeper()
+
+    def _admit_rpc(
+        self, job: JobRecord, answer: Callable[[JobRecord | BaseException], None]
+    ) -> None:
+        try:
+            self._hooks.check_accepting()
+        except AgentError as exc:
+            answer(exc)
+            return
+        if job.request_id:
+            self.by_request[job.request_id] = job.job_id
+        self._start(job)
+        answer(job)
+
+    def job(self, job_id: int) -> JobRecord:
+        """An open or retained job (KeyError if neither)."""
+        found = self.open.get(job_id) or self.retained.get(job_id)
+        if found is None:
+            raise KeyError(job_id)
+        return found
+
+    # ------------------------------------------------------------ running
+
+    def _start(self, job: JobRecord) -> None:
+        self.open[job.job_id] = job
+        self.counters.jobs_submitted += 1
+        token = self._next_token
+        self._next_token = token + 1
+        run = _Run(job, token)
+        self._runs[token] = run
+        self._run_of[job.job_id] = run
+        largest, count = buffers_needed(job)
+        if self._sweeper is None:
+            self._arm_sweeper()  # deadlines hold even while an operation is in flight
+        if count:
+            size = self._staging.pool_for(largest)
+            self._staging.take(size, count, lambda buffers: self._launch(run, buffers))
+        else:
+            self._launch(run, [])
+
+    def _launch(self, run: _Run, buffers: list[Buffer]) -> None:
+        job = run.job
+        run.buffers = buffers
+        if job.done:  # ended while it waited for memory
+            self._release(run)
+            return
+        job.start()
+        run.gen = RUNNERS[job.kind](job, buffers, self._storage)
+        self._advance(run, None, None)
+
+    def _advance(self, run: _Run, value: object, error: BaseException | None) -> None:  # noqa: PLR0911 - one exit per way a step ends
+        """Resume a job's runner until it waits on something, or ends."""
+        job, gen = run.job, run.gen
+        assert gen is not None  # noqa: S101 - launched
+        while not job.done:
+            if job.cancel_requested:
+                self._end(job, run, State.CANCELLED, status.CANCELLED, "cancelled by request")
+                return
+            if time.monotonic() > job.deadline:
+                self._end(job, run, State.FAILED, status.DEADLINE_EXCEEDED, "job deadline exceeded")
+                return
+            try:
+                op = gen.throw(error) if error is not None else gen.send(value)
+            except StopIteration:
+                self._end(job, run, State.SUCCEEDED, status.OK, "")
+                return
+            except AgentError as exc:
+                self._end(job, run, State.FAILED, status.code_for(exc), str(exc))
+                return
+            except TransportError as exc:
+                self.fail(exc)
+                return
+            except Exception:
+                log.exception("job failed unexpectedly", extra={"job": job.job_id})
+                self._end(job, run, State.FAILED, status.INTERNAL, "internal error")
+                return
+            try:
+                waits, value, error = self._perform(run, op)
+            except TransportError as exc:
+                self.fail(exc)
+                return
+            if waits:
+                return
+
+    def _perform(self, run: _Run, op: Op) -> tuple[bool, object, BaseException | None]:  # noqa: PLR0911 - one exit per kind of operation
+        """Start one operation: (whether the run now waits, value, error) to resume with."""
+        kind = type(op)
+        link = self.link
+        if kind is Read:
+            b = op.buffer  # type: ignore[union-attr]
+            link.post_read(b.region, b.offset + op.offset, op.length, op.addr, op.rkey, run.token)  # type: ignore[union-attr]
+            run.pending += 1
+            self._reactor.wake(link)
+            return True, None, None
+        if kind is Write:
+            b = op.buffer  # type: ignore[union-attr]
+            chained = op.last and run.job.origin is Origin.CAPSULE  # type: ignore[union-attr]
+            token = None if chained else run.token
+            link.post_write(b.region, b.offset + op.offset, op.length, op.addr, op.rkey, token)  # type: ignore[union-attr]
+            self._reactor.wake(link)
+            if chained:
+                return False, None, None  # the COMPLETION's SEND follows and covers it
+            run.pending += 1
+            return True, None, None
+        if kind is Io and not op.blocking:  # type: ignore[union-attr]
+            try:
+                return False, op.fn(), None  # type: ignore[union-attr]
+            except TransportError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - thrown into the runner
+                return False, None, exc
+        if kind is Io or kind is Work:
+            run.pending += 1
+            offload = self._reactor.io if kind is Io else self._reactor.compute
+            offload(op.fn, lambda f: self._resumed(run, f))  # type: ignore[union-attr]
+            return True, None, None
+        if kind is Sleep:
+            run.timer = self._reactor.call_later(op.seconds, lambda: self._slept(run))  # type: ignore[union-attr]
+            return True, None, None
+        return False, None, TypeError(f"unknown job operation {op!r}")
+
+    def _resumed(self, run: _Run, future: concurrent.futures.Future[Any]) -> None:
+        run.pending -= 1
+        if run.job.done:
+            self._release_if_idle(run)
+            return
+        exc = future.exception()
+        if exc is None:
+            self._advance(run, future.result(), None)
+        else:
+            self._advance(run, None, exc)
+
+    def _slept(self, run: _Run) -> None:
+        run.timer = None
+        if not run.job.done:
+            self._advance(run, None, None)
+
+    def on_done(self, token: int, error: TransportError | None) -> None:
+        """A link operation of run `token` finished."""
+        run = self._runs.get(token)
+        if run is None:
+            return
+        run.pending -= 1 if run.pending else 0
+        if error is not None:
+            self.fail(error)
+            self._release_if_idle(run)
+            return
+        if run.job.done:
+            self._release_if_idle(run)
+            return
+        self._advance(run, None, None)
+
+    # ------------------------------------------------------------ ending
+
+    def _end(self, job: JobRecord, run: _Run | None, state: State, code: int, message: str) -> None:
+        """Finish a job: free its slot, send its COMPLETION, queue it for publishing."""
+        if not job.finish(state, code, message):
+            return
+        self.open.pop(job.job_id, None)
+        self._retain(job)
+        c = self.counters
+        if state == State.SUCCEEDED:
+            c.jobs_completed += 1
+        else:
+            c.jobs_failed += 1
+        c.bytes_read += job.bytes_read
+        c.bytes_written += job.bytes_written
+        self._finished.append(job)
+        token = None
+        if run is not None:
+            self._run_of.pop(job.job_id, None)
+            if run.gen is not None:
+                run.gen.close()
+            if run.timer is not None:
+                run.timer.cancel()
+                run.timer = None
+            if job.origin is Origin.CAPSULE and run.buffers and not self.failed:
+                token = run.token  # the SEND covers the job's last WRITE: release after it
+                run.pending += 1
+            else:
+                self._release_if_idle(run)
+        if job.origin is Origin.CAPSULE and not self.failed:
+            self._send(job.encode_completion(), token)
+        if self._waiting and len(self.open) < self.queue_depth:
+            self._serve_waiting()
+
+    def _release_if_idle(self, run: _Run) -> None:
+        if run.pending <= 0 and run.job.done:
+            self._release(run)
+
+    def _release(self, run: _Run) -> None:
+        self._runs.pop(run.token, None)
+        if run.buffers and not self.closed:
+            buffers, run.buffers = run.buffers, []
+            self._staging.give_back(buffers)
+
+    def _retain(self, job: JobRecord) -> None:
+        retained = self.retained
+        retained[job.job_id] = job
+        while len(retained) > self._retained_max:
+            old_id, old = retained.popitem(last=False)
+            if old.request_id and self.by_request.get(old.request_id) == old_id:
+                del self.by_request[old.request_id]
+
+    def _send(self, message: bytes, token: int | None) -> None:
+        if self._backlog or self.link.room() == 0:
+            self._backlog.append((message, token))
+            return
+        try:
+            self.link.post_send(message, token)
+        except TransportError as exc:
+            self.fail(exc)
+            return
+        self._reactor.wake(self.link)
+
+    def _send_backlog(self) -> None:
+        backlog = self._backlog
+        while backlog and self.link.room() and not self.failed:
+            message, token = backlog.popleft()
+            try:
+                self.link.post_send(message, token)
+            except TransportError as exc:
+                self.fail(exc)
+                return
+        self._reactor.wake(self.link)
+
+    def _serve_waiting(self) -> None:
+        while self._waiting and len(self.open) < self.queue_depth:
+            job, answer = self._waiting.popleft()
+            self._admit_rpc(job, answer)
+
+    # ------------------------------------------------------------ cancel, deadlines
+
+    def cancel(self, job_id: int, message: str) -> None:
+        """End an open job CANCELLED now (a job not open is ignored)."""
+        job = self.open.get(job_id)
+        if job is None:
+            return
+        job.cancel_requested = True
+        self._end(job, self._run_of.get(job_id), State.CANCELLED, status.CANCELLED, message)
+
+    def _arm_sweeper(self) -> None:
+        if self._sweeper is None and not self.closed:
+            self._sweeper = self._reactor.call_later(SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """End the jobs whose deadline passed while they waited on something."""
+        self._sweeper = None
+        now = time.monotonic()
+        for job in [j for j in self.open.values() if now > j.deadline]:
+            self._end(
+                job, self._run_of.get(job.job_id), State.FAILED, status.DEADLINE_EXCEEDED,
+                "job deadline exceeded",
+            )  # fmt: skip
+        if any(now > job.deadline for job, _ in self._waiting):
+            waiting, self._waiting = self._waiting, collections.deque()
+            for job, answer in waiting:
+                if now > job.deadline:
+                    answer(DeadlineExceeded("the job's deadline passed while it waited for a slot"))
+                else:
+                    self._waiting.append((job, answer))
+        if self.open or self._waiting:
+            self._arm_sweeper()
+        self.end_pass()
+
+    # ------------------------------------------------------------ failure and close
+
+    def fail(self, error: TransportError) -> None:
+        """The link failed: every open job FAILED (UNAVAILABLE), the session FAILED."""
+        if self.failed or self.closed:
+            return
+        self.failed = True
+        message = f"data plane failed: {error}"
+        for job in list(self.open.values()):
+            self._end(job, self._run_of.get(job.job_id), State.FAILED, status.UNAVAILABLE, message)
+        self._backlog.clear()
+        self._hooks.data_plane_failed(error)
+        self._answer_waiting()
+
+    def _answer_waiting(self) -> None:
+        """The session takes no jobs any more: answer who waits for a slot (with why)."""
+        waiting, self._waiting = self._waiting, collections.deque()
+        for job, answer in waiting:
+            self._admit_rpc(job, answer)  # the session's check refuses it
+
+    def close(self, state: State, code: int, reason: str, done: Callable[[], None]) -> None:
+        """End every open job (`state`), send their COMPLETIONs, then tear the link down."""
+        if self.closed:
+            done()
+            return
+        for job in list(self.open.values()):
+            self._end(job, self._run_of.get(job.job_id), state, code, reason)
+        self._answer_waiting()
+        self._staging.drop_waiters()
+        self.end_pass()
+        deadline = time.monotonic() + CLOSE_DRAIN_S
+
+        def finish() -> None:
+            if self.link.error is None and self.link.outstanding and time.monotonic() < deadline:
+                self.link.poll(self, 64)
+                self.link.flush()
+                self._reactor.call_later(0.001, finish)
+                return
+            self.closed = True
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+            self._reactor.remove(self.link)
+            self.link.close()
+            self._staging.close()
+            self.end_pass()
+            done()
+
+        # Never inside a call from the link (a failure is often reported from its poll):
+        # the link is closed on the reactor's next pass, with nothing of it on the stack.
+        self._reactor.call(finish)

@@ -1,0 +1,421 @@
+"""The data-plane reactor: one thread that runs every session's jobs to completion.
+
+Modelled on SPDK's poll-mode reactors, within what Python allows: no event-loop task
+per job, no asyncio on the fast path. One thread owns every session's link (`AgentLink`)
+and runs a loop:
+
+1. wait on an epoll set (the links' descriptors and a wake-up eventfd) for as long as
+   nothing needs polling, or not at all while a verbs link is hot;
+2. run what other threads handed over (`call`): new sessions, SubmitJob requests,
+   finished worker-thread work, close requests;
+3. poll every hot link: completions and capsules go to the link's sink (the session),
+   which advances its jobs and posts their next operations right away;
+4. run due timers (deadlines, QoS waits);
+5. give every session touched in this pass one call to finish the pass (flush the
+   link, publish the jobs that finished), and cool down idle verbs links: a link with
+   nothing in flight and no activity for `spin` seconds is armed (its completion
+   channel will wake the loop) and no longer polled.
+
+Adaptive polling, then: a verbs link is polled continuously while work is in flight and
+for `spin` seconds after, and sleeps on its completion channel otherwise (`spin` 0 is
+pure event mode, a negative `spin` never sleeps). A tcp link is driven by its socket's
+readiness.
+
+CPU-heavy work (compression, encryption, hashing of large chunks) runs on a small pool
+of worker threads whose libraries release the GIL; blocking storage calls (syncs,
+large reads) on a second pool. Their results come back through `call`. The control
+plane (gRPC, on the asyncio loop in the main thread) never waits on this loop except
+for an answer to a request it handed over (`call_async`), and this loop never waits on
+the control plane's: what it hands back goes through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import heapq
+import itertools
+import logging
+import os
+import select
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from dpu_wire.transport.base import AgentLink, LinkSink
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+POLL_BUDGET: Final = 64  # completions and capsules taken from one link per pass
+MAX_WAIT: Final = 1.0  # seconds the loop sleeps at most (overdue tcp requests are checked)
+_EPOLLIN: Final = select.EPOLLIN
+_EPOLLOUT: Final = select.EPOLLOUT
+
+
+class LinkOwner(Protocol):
+    """What the reactor needs from the owner of a link (a session)."""
+
+    @property
+    def sink(self) -> LinkSink:
+        """Where the link's completions and capsules go."""
+
+    def end_pass(self) -> None:
+        """The reactor finished a pass that touched this owner: flush, publish."""
+
+    def link_failed(self) -> None:
+        """The link reported an error (`link.error` says which)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    link: AgentLink
+    owner: LinkOwner
+    fd: int
+    polls: bool  # verbs: completions must be polled
+    hot: bool = True  # polled every pass
+    last: float = 0.0  # last activity (monotonic)
+    writing: bool = False  # EPOLLOUT registered
+    removed: bool = False
+
+
+class Timer:
+    """A call scheduled on the reactor; `cancel()` it from the reactor thread."""
+
+    __slots__ = ("cancelled", "fn", "when")
+
+    def __init__(self, when: float, fn: Callable[[], None]) -> None:
+        self.when = when
+        self.fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Do not run it."""
+        self.cancelled = True
+
+
+class Reactor:
+    """The data plane's thread. Start it, hand it work with `call`, stop it.
+
+    Args:
+        spin: seconds a verbs link stays polled after its last activity (0: sleep
+            at once when idle; negative: never sleep).
+        compute_workers: threads for CPU-heavy job steps.
+        io_workers: threads for blocking storage calls.
+    """
+
+    def __init__(
+        self, *, spin: float = 0.002, compute_workers: int = 2, io_workers: int = 16
+    ) -> None:
+        self.spin = spin
+        self._epoll = select.epoll()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll.register(self._wake_fd, _EPOLLIN)
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._sleeping = False
+        self._timers: list[tuple[float, int, Timer]] = []
+        self._timer_seq = itertools.count()
+        self._entries: dict[int, _Entry] = {}  # by descriptor
+        self._hot: list[_Entry] = []
+        self._touched: dict[int, _Entry] = {}  # by descriptor: entries to finish this pass
+        self._compute = concurrent.futures.ThreadPoolExecutor(
+            compute_workers, thread_name_prefix="dataplane-compute"
+        )
+        self._io = concurrent.futures.ThreadPoolExecutor(
+            io_workers, thread_name_prefix="dataplane-io"
+        )
+        self._thread: threading.Thread | None = None
+        self._overdue_timer: Timer | None = None
+        self._stopping = False
+        self.passes = 0  # loop passes, for tests and diagnostics
+
+    # ------------------------------------------------------------ from any thread
+
+    def start(self) -> None:
+        """Start the thread."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="dataplane-reactor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop (what is queued runs first) and the worker pools."""
+        if self._thread is None:
+            return
+        self.call(self._request_stop)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("the data-plane reactor did not stop within %.0f s", timeout)
+        self._thread = None
+        self._compute.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._epoll.close()
+        os.close(self._wake_fd)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the reactor thread soon (thread-safe, never blocks)."""
+        self._inbox.append(fn)
+        if self._sleeping:
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_write(self._wake_fd, 1)
+
+    def call_async(self, fn: Callable[[], _T]) -> asyncio.Future[_T]:
+        """Run `fn` on the reactor; its result (or exception) on the caller's event loop."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[_T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self.call(run)
+        return future
+
+    @property
+    def in_thread(self) -> bool:
+        """Whether the caller runs on the reactor thread."""
+        return threading.current_thread() is self._thread
+
+    # ------------------------------------------------------------ on the reactor thread
+
+    def add(self, link: AgentLink, owner: LinkOwner) -> None:
+        """Take a connected link over (the owner's sink gets its completions)."""
+        fd = link.fileno()
+        entry = _Entry(link, owner, fd, polls=link.needs_polling, last=time.monotonic())
+        self._entries[fd] = entry
+        self._epoll.register(fd, _EPOLLIN)
+        self._hot.append(entry)
+        if self._overdue_timer is None:
+            self._overdue_timer = self.call_later(MAX_WAIT, self._check_overdue)
+
+    def remove(self, link: AgentLink) -> None:
+        """Stop driving a link (the caller closes it)."""
+        fd = link.fileno()
+        entry = self._entries.pop(fd, None)
+        if entry is None:
+            return
+        entry.removed = True  # dropped from the hot list at the end of the pass
+        self._touched.pop(fd, None)
+        with contextlib.suppress(OSError, ValueError):
+            self._epoll.unregister(fd)
+
+    def wake(self, link: AgentLink) -> None:
+        """Work was posted on `link`: poll it, and finish its owner's pass."""
+        entry = self._entries.get(link.fileno())
+        if entry is None or entry.link is not link:
+            return
+        entry.last = time.monotonic()
+        self._touched[entry.fd] = entry
+        if not entry.hot:
+            entry.hot = True
+            self._hot.append(entry)
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
+        """Run `fn` on this thread after `delay` seconds."""
+        timer = Timer(time.monotonic() + delay, fn)
+        heapq.heappush(self._timers, (timer.when, next(self._timer_seq), timer))
+        return timer
+
+    def compute(
+        self, fn: Callable[[], _T], done: Callable[[concurrent.futures.Future[_T]], None]
+    ) -> None:
+        """Run `fn()` on a compute worker; `done(future)` back on this thread."""
+        self._offload(self._compute, fn, done)
+
+    def io(
+        self, fn: Callable[[], _T], done: Callable[[concurrent.futures.Future[_T]], None]
+    ) -> None:
+        """Run `fn()` on a storage worker; `done(future)` back on this thread."""
+        self._offload(self._io, fn, done)
+
+    def _offload(
+        self,
+        pool: concurrent.futures.ThreadPoolExecutor,
+        fn: Callable[[], _T],
+        done: Callable[[concurrent.futures.Future[_T]], None],
+    ) -> None:
+        try:
+            future = pool.submit(fn)
+        except RuntimeError as exc:  # shut down
+            failed: concurrent.futures.Future[_T] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            self.call(lambda: done(failed))
+            return
+        future.add_done_callback(lambda f: self.call(lambda: done(f)))
+
+    # ------------------------------------------------------------ the loop
+
+    def _request_stop(self) -> None:
+        self._stopping = True
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._pass()
+        except BaseException:
+            log.exception("the data-plane reactor crashed")
+            raise
+
+    def _pass(self) -> None:
+        self.passes += 1
+        timeout = self._timeout()
+        if timeout:
+            self._sleeping = True
+            if self._inbox:
+                timeout = 0.0
+        events = self._epoll.poll(timeout)
+        self._sleeping = False
+        if events:
+            self._dispatch(events)
+        inbox = self._inbox
+        busy = bool(inbox)
+        while inbox:
+            fn = inbox.popleft()
+            try:
+                fn()
+            except Exception:
+                log.exception("a data-plane request failed")
+        busy = self._poll_hot() or busy or bool(events)
+        self._run_timers()
+        self._finish_pass()
+        if not busy:
+            # An idle spin: give the GIL away for a moment, or the control plane's thread
+            # waits a whole switch interval (5 ms) for it whenever it has work.
+            time.sleep(0)
+
+    def _dispatch(self, events: list[tuple[int, int]]) -> None:
+        entries, touched = self._entries, self._touched
+        for fd, mask in events:
+            if fd == self._wake_fd:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._wake_fd)
+                continue
+            entry = entries.get(fd)
+            if entry is None:
+                continue
+            touched[fd] = entry
+            if mask & _EPOLLOUT:
+                entry.link.flush()
+            if mask & ~_EPOLLOUT:
+                entry.link.on_event()
+                if not entry.hot:
+                    entry.hot = True
+                    self._hot.append(entry)
+
+    def _timeout(self) -> float:
+        """How long the next epoll may wait: 0 while a link is hot or work is queued."""
+        if self._hot or self._inbox or self._touched:
+            return 0.0
+        if self._timers:
+            return max(0.0, min(MAX_WAIT, self._timers[0][0] - time.monotonic()))
+        return MAX_WAIT
+
+    def _poll_hot(self) -> bool:
+        """Poll every hot link; whether any had something."""
+        now = time.monotonic()
+        touched = self._touched
+        found = False
+        for entry in self._hot:
+            if entry.removed:
+                continue
+            link = entry.link
+            if link.poll(entry.owner.sink, POLL_BUDGET):
+                entry.last = now
+                touched[entry.fd] = entry
+                found = True
+            if link.error is not None:
+                touched[entry.fd] = entry
+        return found
+
+    def _run_timers(self) -> None:
+        timers = self._timers
+        if not timers:
+            return
+        now = time.monotonic()
+        while timers and timers[0][0] <= now:
+            timer = heapq.heappop(timers)[2]
+            if timer.cancelled:
+                continue
+            try:
+                timer.fn()
+            except Exception:
+                log.exception("a data-plane timer failed")
+
+    def _finish_pass(self) -> None:
+        touched, self._touched = self._touched, {}
+        for entry in touched.values():
+            if entry.removed:
+                continue
+            link = entry.link
+            try:
+                if link.error is not None:
+                    link.poll(entry.owner.sink, POLL_BUDGET)  # report what the failure ended
+                    entry.owner.link_failed()
+                entry.owner.end_pass()
+            except Exception:
+                log.exception("finishing a data-plane pass failed")
+            if self._gone(entry):
+                continue
+            if link.error is None and link.wants_write != entry.writing:
+                entry.writing = link.wants_write
+                with contextlib.suppress(OSError, ValueError):
+                    self._epoll.modify(entry.fd, _EPOLLIN | (_EPOLLOUT if entry.writing else 0))
+        self._cool_down()
+
+    @staticmethod
+    def _gone(entry: _Entry) -> bool:
+        """Whether the entry was removed (its owner may remove it while it is served)."""
+        return entry.removed
+
+    def _cool_down(self) -> None:
+        """Stop polling links with nothing in flight once `spin` has passed (arm them)."""
+        now = time.monotonic()
+        keep: list[_Entry] = []
+        for entry in self._hot:
+            link = entry.link
+            if entry.removed:
+                continue
+            if link.error is None:
+                if entry.polls and (
+                    link.outstanding or self.spin < 0 or now - entry.last < self.spin
+                ):
+                    keep.append(entry)
+                    continue
+                if not link.arm(entry.owner.sink):  # a capsule slipped in: handled, go on
+                    entry.last = now
+                    self._touched[entry.fd] = entry
+                    keep.append(entry)
+                    continue
+            entry.hot = False
+        if len(keep) != len(self._hot):
+            self._hot = keep
+
+    def _check_overdue(self) -> None:
+        """Once a second: fail tcp links whose host left a request unanswered too long."""
+        now = time.monotonic()
+        for entry in list(self._entries.values()):
+            if entry.link.error is None and entry.link.overdue(now):
+                self._touched[entry.fd] = entry
+        self._overdue_timer = (
+            self.call_later(MAX_WAIT, self._check_overdue) if self._entries else None
+        )
+
+
+def _set_result(future: asyncio.Future[_T], result: _T) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

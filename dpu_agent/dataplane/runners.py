@@ -1,0 +1,299 @@
+"""How each job kind runs: a generator per job that yields the operations it needs.
+
+A runner is written as straight-line code (`for chunk: READ it; process it; WRITE it`)
+and yields one operation at a time; the session's pipeline (`pipeline.Pipeline`) posts
+it and resumes the generator with its result once it finished. No asyncio task, no
+future per job: resuming a generator costs well under a microsecond.
+
+The operations:
+
+- `Read` / `Write`: an RDMA READ into / WRITE from a staging buffer. `Write(last=True)`
+  is a job's final WRITE: a capsule job posts it unsignalled and its COMPLETION's SEND
+  right behind it (RC ordering makes the data land first), a SubmitJob job waits for it.
+- `Work`: a function for a compute worker thread (CPU-heavy: transforms, hashes and
+  CRCs of large chunks), resumed with its result.
+- `Io`: a storage call, run inline when it cannot block for long (a small read or
+  write to the page cache), else on a storage worker thread.
+- `Sleep`: wait (a QoS throttle) without holding anything but the job's buffers.
+
+Cancellation and deadlines are the pipeline's: it stops resuming a generator whose job
+ended. An operation already posted always completes before its buffer is reused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol, TypeAlias
+
+from dpu_agent.dataplane import compute
+from dpu_agent.errors import InvalidArgument, NotFound
+from dpu_wire.jobkinds import SHA256_BYTES, JobKind
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Generator
+
+    from dpu_agent.dataplane.jobs import JobRecord
+    from dpu_agent.dataplane.staging import Buffer
+
+INLINE_BYTES: Final = 64 << 10  # CRC, hash and storage calls up to this size run inline
+
+
+class Read(NamedTuple):
+    """RDMA READ `length` bytes at host (`addr`, `rkey`) into `buffer[offset:]`."""
+
+    buffer: Buffer
+    offset: int
+    length: int
+    addr: int
+    rkey: int
+
+
+class Write(NamedTuple):
+    """RDMA WRITE `buffer[offset:offset+length]` to host (`addr`, `rkey`)."""
+
+    buffer: Buffer
+    offset: int
+    length: int
+    addr: int
+    rkey: int
+    last: bool = False
+
+
+class Work(NamedTuple):
+    """Call `fn()` on a compute worker."""
+
+    fn: Callable[[], Any]
+
+
+class Io(NamedTuple):
+    """Call `fn()` (a storage call): inline, or on a storage worker when `blocking`."""
+
+    fn: Callable[[], Any]
+    blocking: bool
+
+
+class Sleep(NamedTuple):
+    """Wait `seconds`."""
+
+    seconds: float
+
+
+Op = Read | Write | Work | Io | Sleep
+Runner: TypeAlias = "Generator[Op, Any, None]"
+
+
+class Storage(Protocol):
+    """What volume runners need from the session: the store, scoped to its tenant."""
+
+    def write(self, volume_id: str, offset: int, data: memoryview, *, fua: bool) -> None:
+        """Store whole blocks (durable when `fua`)."""
+
+    def read_into(self, volume_id: str, offset: int, view: memoryview) -> None:
+        """Load whole blocks into `view` (CRC checked)."""
+
+    def flush(self, volume_id: str) -> None:
+        """Make what was written durable."""
+
+    def trim(self, volume_id: str, offset: int, length: int) -> None:
+        """Forget whole blocks."""
+
+    def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
+        """Seconds to wait before this I/O (QoS), tokens taken."""
+
+
+def buffers_needed(job: JobRecord) -> tuple[int, int]:
+    """(largest single transfer, number of buffers) the job's runner asks for."""
+    kind = job.kind
+    if kind in (JobKind.VOLUME_FLUSH, JobKind.VOLUME_TRIM):
+        return 0, 0
+    largest = max(job.source.length, job.destination.length)
+    if job.row.compute and kind != JobKind.SHA256:
+        return largest, 2  # input and output
+    return largest, 1
+
+
+def _chunks(total: int, step: int) -> list[tuple[int, int]]:
+    return [(offset, min(step, total - offset)) for offset in range(0, total, step)]
+
+
+def copy(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runner:
+    """READ the source chunk by chunk, WRITE each chunk to the destination."""
+    buffer = buffers[0]
+    src, dst = job.source, job.destination
+    total = src.length
+    for offset, size in _chunks(total, buffer.size):
+        yield Read(buffer, 0, size, src.addr + offset, src.rkey)
+        job.bytes_read += size
+        yield Write(buffer, 0, size, dst.addr + offset, dst.rkey, offset + size == total)
+        job.bytes_written += size
+
+
+def crc32c(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runner:
+    """CRC-32C of the source; the result in the low 32 bits."""
+    buffer = buffers[0]
+    src = job.source
+    crc = 0
+    for offset, size in _chunks(src.length, buffer.size):
+        yield Read(buffer, 0, size, src.addr + offset, src.rkey)
+        job.bytes_read += size
+        view = buffer.view[:size]
+        if size <= INLINE_BYTES:
+            crc = compute.crc32c(view, crc)
+        else:
+            crc = yield Work(_bind(compute.crc32c, view, crc))
+    job.result = crc
+
+
+def sha256(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runner:
+    """SHA-256 of the source, WRITTEN (32 bytes) to the start of the destination."""
+    buffer = buffers[0]
+    src, dst = job.source, job.destination
+    digest = compute.sha256()
+    for offset, size in _chunks(src.length, buffer.size):
+        yield Read(buffer, 0, size, src.addr + offset, src.rkey)
+        job.bytes_read += size
+        view = buffer.view[:size]
+        if size <= INLINE_BYTES:
+            digest.update(view)
+        else:
+            yield Work(_bind(digest.update, view))
+    job.digest = digest.digest()
+    buffer.view[:SHA256_BYTES] = job.digest
+    yield Write(buffer, 0, SHA256_BYTES, dst.addr, dst.rkey, last=True)
+    job.bytes_written = SHA256_BYTES
+    job.result = SHA256_BYTES
+
+
+def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runner:
+    """COMPRESS, DECOMPRESS, ENCRYPT, DECRYPT: stream the source through a transform.
+
+    The output is WRITTEN to the destination as it fills a staging buffer; output past
+    the destination's length fails the job (INVALID_ARGUMENT) with what fit written.
+    """
+    inbuf, outbuf = buffers
+    src, dst = job.source, job.destination
+    step = outbuf.size
+    kernel = compute.transform(job.kind, job.parameter, job.key, src.length)
+    held = 0  # output bytes in outbuf, not yet written
+    written = 0
+
+    def room(data: bytes) -> None:
+        nonlocal held
+        if written + held + len(data) > dst.length:
+            raise InvalidArgument(
+                f"{job.row.field}: the output does not fit the destination ({dst.length} bytes)"
+            )
+        outbuf.view[held : held + len(data)] = data
+        held += len(data)
+
+    def drain(*, final: bool) -> Runner:
+        nonlocal held, written
+        if held and (final or held == step):
+            yield Write(outbuf, 0, held, dst.addr + written, dst.rkey, final)
+            written += held
+            job.bytes_written = written
+            held = 0
+
+    for offset, size in _chunks(src.length, inbuf.size):
+        yield Read(inbuf, 0, size, src.addr + offset, src.rkey)
+        job.bytes_read += size
+        data: bytes = yield Work(_bind(kernel.feed, bytes(inbuf.view[:size]), step - held))
+        room(data)
+        while True:
+            yield from drain(final=False)
+            if not kernel.more():
+                break
+            room((yield Work(_bind(kernel.feed, b"", step - held))))
+    while True:
+        tail: bytes = yield Work(_bind(kernel.finish, step - held))
+        if not tail:
+            break
+        room(tail)
+        yield from drain(final=False)
+    yield from drain(final=True)
+    job.result = written
+
+
+def volume_write(job: JobRecord, buffers: list[Buffer], store: Storage | None) -> Runner:
+    """READ the source chunk by chunk into the volume at `offset`; FUA: then durable."""
+    buffer = buffers[0]
+    storage = _require(store)
+    src = job.source
+    for offset, size in _chunks(src.length, buffer.size):
+        yield from _throttle(storage, job, "write", size)
+        yield Read(buffer, 0, size, src.addr + offset, src.rkey)
+        job.bytes_read += size
+        view = buffer.view[:size]
+        last_fua = job.fua and offset + size == src.length
+        yield Io(
+            _bind_write(storage, job.volume_id, job.offset + offset, view, fua=last_fua),
+            blocking=last_fua or size > INLINE_BYTES,
+        )
+
+
+def volume_read(job: JobRecord, buffers: list[Buffer], store: Storage | None) -> Runner:
+    """Load the volume at `offset` chunk by chunk (CRC checked) and WRITE it to the host."""
+    buffer = buffers[0]
+    storage = _require(store)
+    dst = job.destination
+    total = dst.length
+    for offset, size in _chunks(total, buffer.size):
+        yield from _throttle(storage, job, "read", size)
+        view = buffer.view[:size]
+        yield Io(_bind_read(storage, job.volume_id, job.offset + offset, view), size > INLINE_BYTES)
+        yield Write(buffer, 0, size, dst.addr + offset, dst.rkey, offset + size == total)
+        job.bytes_written += size
+
+
+def volume_flush(job: JobRecord, _buffers: list[Buffer], store: Storage | None) -> Runner:
+    """Everything written to the volume is on stable storage."""
+    yield Io(_bind(_require(store).flush, job.volume_id), blocking=True)
+
+
+def volume_trim(job: JobRecord, _buffers: list[Buffer], store: Storage | None) -> Runner:
+    """The range reads as zeros afterwards."""
+    storage = _require(store)
+    yield Io(_bind(storage.trim, job.volume_id, job.offset, job.length), blocking=True)
+
+
+RUNNERS: Final[dict[JobKind, Callable[[JobRecord, list[Buffer], Storage | None], Runner]]] = {
+    JobKind.COPY: copy,
+    JobKind.CRC32C: crc32c,
+    JobKind.VOLUME_WRITE: volume_write,
+    JobKind.VOLUME_READ: volume_read,
+    JobKind.VOLUME_FLUSH: volume_flush,
+    JobKind.VOLUME_TRIM: volume_trim,
+    JobKind.SHA256: sha256,
+    JobKind.COMPRESS: transform,
+    JobKind.DECOMPRESS: transform,
+    JobKind.ENCRYPT: transform,
+    JobKind.DECRYPT: transform,
+}
+assert set(RUNNERS) == set(JobKind)  # noqa: S101 - every kind runs, checked at import
+
+
+def _throttle(storage: Storage, job: JobRecord, op: str, size: int) -> Runner:
+    delay = storage.throttle(job.volume_id, op, size)
+    if delay > 0:
+        yield Sleep(delay)
+
+
+def _require(store: Storage | None) -> Storage:
+    if store is None:
+        raise NotFound("this agent has no volume store")
+    return store
+
+
+def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:  # noqa: ANN401 - forwarded
+    return lambda: fn(*args)
+
+
+def _bind_write(
+    storage: Storage, volume_id: str, offset: int, view: memoryview, *, fua: bool
+) -> Callable[[], None]:
+    return lambda: storage.write(volume_id, offset, view, fua=fua)
+
+
+def _bind_read(
+    storage: Storage, volume_id: str, offset: int, view: memoryview
+) -> Callable[[], None]:
+    return lambda: storage.read_into(volume_id, offset, view)

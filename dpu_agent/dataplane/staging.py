@@ -1,0 +1,99 @@
+"""Staging memory: the DPU-side buffers jobs READ into and WRITE from.
+
+Each session registers two regions once, when its data plane connects, and carves
+them into buffers: small ones (`SMALL` bytes, two per open job up to `MAX_SMALL`), so a
+job whose transfers all fit one never waits for memory, and a few large ones
+(`chunk_size` bytes) that larger jobs take turns on, chunk by chunk. What a session can
+pin is therefore fixed when it opens, whatever its jobs declare:
+`min(2 * queue_depth, MAX_SMALL) * SMALL + large * chunk_size`.
+
+A buffer goes back to its pool only once no operation can still touch it: a job that
+ends (cancelled, deadline) while an RDMA operation on its buffer is in flight leaves
+the buffer out until that operation completes, so the NIC never writes into memory
+another job already uses.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from dpu_wire.transport.base import AgentLink, Region
+
+SMALL: Final = 64 << 10
+MAX_SMALL: Final = 128
+
+
+class Buffer(NamedTuple):
+    """`size` bytes of a staging region, from `offset`."""
+
+    region: Region
+    offset: int
+    size: int
+
+    @property
+    def view(self) -> memoryview:
+        """The bytes."""
+        return self.region.view[self.offset : self.offset + self.size]
+
+
+class _Pool:
+    def __init__(self, link: AgentLink, count: int, size: int) -> None:
+        self.size = size
+        self.region = link.staging(count * size)
+        self.free = [Buffer(self.region, i * size, size) for i in range(count)]
+        self.waiting: collections.deque[tuple[int, Callable[[list[Buffer]], None]]] = (
+            collections.deque()
+        )
+
+
+class Staging:
+    """A session's staging buffers (used on the reactor thread only)."""
+
+    def __init__(self, link: AgentLink, *, queue_depth: int, chunk_size: int, large: int) -> None:
+        self._link = link
+        self.chunk_size = chunk_size
+        small = min(2 * queue_depth, MAX_SMALL)
+        self._small = _Pool(link, small, min(SMALL, chunk_size))
+        self._large = _Pool(link, max(1, large), chunk_size)
+        self.pinned = small * self._small.size + max(1, large) * chunk_size
+
+    def pool_for(self, largest_transfer: int) -> int:
+        """The buffer size a job moving at most `largest_transfer` bytes at once gets."""
+        if largest_transfer <= self._small.size:
+            return self._small.size
+        return self._large.size
+
+    def take(self, size: int, count: int, ready: Callable[[list[Buffer]], None]) -> None:
+        """Hand `count` buffers of `size` to `ready` now, or as soon as they are free."""
+        pool = self._small if size == self._small.size else self._large
+        if not pool.waiting and len(pool.free) >= count:
+            ready([pool.free.pop() for _ in range(count)])
+        else:
+            pool.waiting.append((count, ready))
+
+    def give_back(self, buffers: list[Buffer]) -> None:
+        """Return buffers no operation uses any more; serve who waits, in order."""
+        for buffer in buffers:
+            pool = self._small if buffer.size == self._small.size else self._large
+            pool.free.append(buffer)
+        for pool in (self._small, self._large):
+            while pool.waiting and len(pool.free) >= pool.waiting[0][0]:
+                count, ready = pool.waiting.popleft()
+                ready([pool.free.pop() for _ in range(count)])
+
+    def drop_waiters(self) -> list[Callable[[list[Buffer]], None]]:
+        """Forget who waits (the session is closing); return them."""
+        dropped = [ready for pool in (self._small, self._large) for _, ready in pool.waiting]
+        for pool in (self._small, self._large):
+            pool.waiting.clear()
+        return dropped
+
+    def close(self) -> None:
+        """Release the regions (the link is closed, or nothing is in flight)."""
+        for pool in (self._small, self._large):
+            self._link.release(pool.region)
+            pool.free.clear()

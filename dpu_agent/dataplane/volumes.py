@@ -1,0 +1,53 @@
+"""A session's view of the volume store: its tenant's volumes, for its volume jobs.
+
+Attaching checked the volume's owner already; every I/O checks again, which catches a
+volume deleted and made again by another tenant under the same id while a session
+held its handle. The store is thread-safe: these run inline on the reactor thread
+(small reads and writes to the page cache) or on its storage workers (syncs, large
+I/O), as the runners choose.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dpu_agent.errors import NotFound
+
+if TYPE_CHECKING:
+    from dpu_agent.storage import VolumeStore
+
+
+class TenantVolumes:
+    """`runners.Storage` over a `VolumeStore`, limited to one tenant's volumes."""
+
+    def __init__(self, store: VolumeStore, tenant: str) -> None:
+        self._store = store
+        self._tenant = tenant
+
+    def _owned(self, volume_id: str) -> str:
+        if self._store.get(volume_id).tenant != self._tenant:
+            raise NotFound(f"volume {volume_id!r} does not exist")
+        return volume_id
+
+    def write(self, volume_id: str, offset: int, data: memoryview, *, fua: bool) -> None:
+        """Store whole blocks (durable when `fua`)."""
+        self._store.write(self._owned(volume_id), offset, data, fua=fua)
+
+    def read_into(self, volume_id: str, offset: int, view: memoryview) -> None:
+        """Load whole blocks into `view` (CRC checked)."""
+        view[:] = self._store.read(self._owned(volume_id), offset, len(view))
+
+    def flush(self, volume_id: str) -> None:
+        """Make what was written durable."""
+        self._store.flush(self._owned(volume_id))
+
+    def trim(self, volume_id: str, offset: int, length: int) -> None:
+        """Forget whole blocks."""
+        self._store.trim(self._owned(volume_id), offset, length)
+
+    def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
+        """Seconds to wait before this I/O under the volume's QoS limits (0: none)."""
+        throttle = getattr(self._store, "throttle", None)
+        if throttle is None:
+            return 0.0
+        return float(throttle(volume_id, op, nbytes))
