@@ -13,7 +13,7 @@ asyncio.run(main())
 
 from importlib import metadata as _metadata
 
-from host_client._client import DEFAULT_TARGET, Client, Stubs, default_target
+from host_client._client import DEFAULT_TARGET, Client, default_target
 from host_client._completion import Completion
 from host_client._errors import (
     AlreadyExistsError,
@@ -38,7 +38,8 @@ from host_client._events import (
     Telemetry,
 )
 from host_client._request_ids import request_id
-from host_client._session import Buffer, BufferRef, Job, Session
+from host_client._rpc import Stubs
+from host_client._session import Buffer, BufferRef, Job, JobRequest, Session
 from host_client._sync import SyncClient
 from host_client._tls import TlsConfig
 
@@ -65,6 +66,7 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "Job",
+    "JobRequest",
     "NotFoundError",
     "PermissionDeniedError",
     "ResourceExhaustedError",

@@ -3,39 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Final, Literal, Self, TypeVar
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from dpu_wire import REQUEST_ID_METADATA_KEY
 from dpu_wire.transport.base import TransportError
-from dpu_wire.transport.tcp import TcpHostTransport
+from dpu_wire.transport.tcp import TcpHostLink
 from dpu_wire.v1 import (
     agent_pb2,
-    agent_pb2_grpc,
     job_pb2,
-    job_pb2_grpc,
     network_pb2,
-    network_pb2_grpc,
     session_pb2,
-    session_pb2_grpc,
     storage_pb2,
-    storage_pb2_grpc,
     virtualization_pb2,
-    virtualization_pb2_grpc,
 )
-from host_client import _request_ids
 from host_client._errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
-    from_rpc_error,
 )
+from host_client._rpc import Rpc, Stubs, _Page
 from host_client._session import TRANSPORT_NUMBERS, Session
 from host_client._tls import TOKEN_ENV, TlsConfig, open_channel
 
@@ -43,21 +33,17 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
     from types import TracebackType
 
-    from dpu_wire.transport.base import HostTransport
+    import grpc
+
+    from dpu_wire.transport.base import HostLink
 
 _R = TypeVar("_R")
 _T = TypeVar("_T")
-
-
-class _Page(Protocol):
-    """A List RPC's answer (AIP-158): one page and the token of the next."""
-
-    next_page_token: str
-
-
 _P = TypeVar("_P", bound=_Page)
 
+
 MAX_QUEUE_DEPTH: Final = 1024
+DEFAULT_SPIN_S: Final = 0.002  # verbs: seconds a session polls after its last activity
 _COMPRESSIONS: Final = {
     "none": storage_pb2.COMPRESSION_NONE,
     "lz4": storage_pb2.COMPRESSION_LZ4,
@@ -74,19 +60,6 @@ TARGET_ENV: Final = "DPU_TARGET"
 def default_target() -> str:
     """The agent address from $DPU_TARGET, else 127.0.0.1:50051."""
     return os.environ.get(TARGET_ENV, DEFAULT_TARGET)
-
-
-@dataclasses.dataclass(frozen=True)
-class Stubs:
-    """Typed gRPC stubs of every dpu.v1 service, for calls the SDK does not wrap yet."""
-
-    agent: agent_pb2_grpc.AgentServiceAsyncStub
-    sessions: session_pb2_grpc.SessionServiceAsyncStub
-    jobs: job_pb2_grpc.JobServiceAsyncStub
-    storage: storage_pb2_grpc.StorageServiceAsyncStub
-    network: network_pb2_grpc.NetworkServiceAsyncStub
-    virtualization: virtualization_pb2_grpc.VirtualizationServiceAsyncStub
-    health: health_pb2_grpc.HealthStub
 
 
 _HEALTH_STATES: Final = {
@@ -136,22 +109,13 @@ class Client:
         self.tls = TlsConfig.from_env() if tls is None else (tls or None)
         self._token = os.environ.get(TOKEN_ENV) if token is None else token
         self._channel: grpc.aio.Channel | None = None
-        self._stubs: Stubs | None = None
+        self._rpc: Rpc | None = None
 
     async def __aenter__(self) -> Self:
         if self._channel is not None:
             raise RuntimeError("Client is already open (it is not re-entrant)")
         self._channel = open_channel(self.target, self.tls, self._token or None, [])
-        channel: Any = self._channel
-        self._stubs = Stubs(
-            agent=agent_pb2_grpc.AgentServiceStub(channel),
-            sessions=session_pb2_grpc.SessionServiceStub(channel),
-            jobs=job_pb2_grpc.JobServiceStub(channel),
-            storage=storage_pb2_grpc.StorageServiceStub(channel),
-            network=network_pb2_grpc.NetworkServiceStub(channel),
-            virtualization=virtualization_pb2_grpc.VirtualizationServiceStub(channel),
-            health=health_pb2_grpc.HealthStub(channel),
-        )
+        self._rpc = Rpc(Stubs.over(self._channel), self.timeout)
         return self
 
     async def __aexit__(
@@ -160,16 +124,21 @@ class Client:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        channel, self._channel, self._stubs = self._channel, None, None
+        channel, self._channel, self._rpc = self._channel, None, None
         if channel is not None:
             await channel.close(grace=None)
 
     @property
+    def rpc(self) -> Rpc:
+        """How calls are made (the client must be open)."""
+        if self._rpc is None:
+            raise RuntimeError("Client is not open: use `async with Client(...)`")
+        return self._rpc
+
+    @property
     def stubs(self) -> Stubs:
         """The raw typed stubs (the client must be open)."""
-        if self._stubs is None:
-            raise RuntimeError("Client is not open: use `async with Client(...)`")
-        return self._stubs
+        return self.rpc.stubs
 
     async def wait_ready(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109
         """Wait until the channel to the agent is connected, or raise UnavailableError."""
@@ -403,14 +372,18 @@ class Client:
         data_host: str = "127.0.0.1",
         rdma_device: str | None = None,
         request_id: str | None = None,
+        poll_spin: float = DEFAULT_SPIN_S,
     ) -> Session:
         """Open a data-plane session; use it as `async with await client.open_session():`.
 
         `transport`: "verbs" (RDMA RC queue pair), "tcp" (a socket the agent dials
-        back to at `data_host`), or "auto" (verbs when both this host and the agent
-        have an RDMA device, else tcp). `queue_depth` bounds the jobs in flight.
-        `request_id` is the OpenSession call's id (and idempotency key); the completion
-        events of the session's capsule jobs carry it (`Session.request_id`).
+        back to at `data_host`, which must be where this client's calls come from, as
+        the agent sees it), or "auto" (verbs when both this host and the agent have an
+        RDMA device, else tcp). `queue_depth` bounds the jobs in flight. `request_id`
+        is the OpenSession call's id (and idempotency key); the completion events of
+        the session's capsule jobs carry it (`Session.request_id`). `poll_spin`
+        (verbs): seconds the session keeps polling for completions after the last
+        activity before it sleeps on the completion channel (0: never poll).
         """
         if transport not in TRANSPORT_NUMBERS:
             choices = ", ".join(TRANSPORT_NUMBERS)
@@ -423,8 +396,10 @@ class Client:
             offered = set((await self.agent_info()).transports)
             verbs = TRANSPORT_NUMBERS["verbs"] in offered and _local_rdma(rdma_device)
             transport = "verbs" if verbs else "tcp"
-        host = _host_transport(transport, data_host, rdma_device, queue_depth)
-        session = Session(self, host, queue_depth)
+        if not 0 <= poll_spin <= 1:
+            raise InvalidArgumentError("INVALID_ARGUMENT", "poll_spin must be 0 to 1 s")
+        host = _host_link(transport, data_host, rdma_device, queue_depth, poll_spin)
+        session = Session(self.rpc, host, queue_depth)
         try:
             await session._open(TRANSPORT_NUMBERS[transport], label, request_id)  # noqa: SLF001
         except BaseException:
@@ -439,14 +414,7 @@ class Client:
         items: Callable[[_P], Iterable[_T]],
     ) -> list[_T]:
         """Every item of a paged List RPC: one call per page until the last."""
-        found: list[_T] = []
-        token = ""
-        while True:
-            page = await self._call(method, request(token))
-            found.extend(items(page))
-            token = page.next_page_token
-            if not token:
-                return found
+        return await self.rpc.all_pages(method, request, items)
 
     async def _call(
         self,
@@ -455,15 +423,7 @@ class Client:
         *,
         request_id: str | None = None,
     ) -> _R:
-        rid = _request_ids.for_call(request_id)
-        try:
-            return await method(
-                request,
-                timeout=self.timeout,
-                metadata=((REQUEST_ID_METADATA_KEY, rid),),
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, rid) from None
+        return await self.rpc.call(method, request, request_id=request_id)
 
 
 def _local_rdma(device: str | None) -> bool:
@@ -478,19 +438,21 @@ def _local_rdma(device: str | None) -> bool:
     return True
 
 
-def _host_transport(
-    transport: str, data_host: str, rdma_device: str | None, queue_depth: int
-) -> HostTransport:
+def _host_link(
+    transport: str, data_host: str, rdma_device: str | None, queue_depth: int, spin: float
+) -> HostLink:
     if transport == "tcp":
-        return TcpHostTransport(data_host)
+        link = TcpHostLink(data_host)
+        link.listen()  # the agent dials while it answers OpenSession
+        return link
     try:
-        from dpu_wire.transport.verbs import VerbsHostTransport  # noqa: PLC0415
+        from dpu_wire.transport.verbs import VerbsHostLink  # noqa: PLC0415
     except ImportError as exc:
         raise FailedPreconditionError(
             "FAILED_PRECONDITION", f"the verbs transport needs pyverbs: {exc}"
         ) from None
     try:
-        return VerbsHostTransport(device=rdma_device, queue_depth=queue_depth)
+        return VerbsHostLink(device=rdma_device, queue_depth=queue_depth, spin=spin)
     except TransportError as exc:
         raise FailedPreconditionError("FAILED_PRECONDITION", str(exc)) from None
 

@@ -76,6 +76,23 @@ class Completion:
         )
 
     @classmethod
+    def from_fields(cls, f: capsule.CompletionFields, *, crc32c_job: bool) -> Completion:
+        """From a COMPLETION capsule's fields (`dpu_wire.capsule.completion_fields`)."""
+        job_id, state, status, b_read, b_written, result, t_sub, t_start, t_end, message = f
+        return cls(
+            job_id=job_id,
+            state=_STATES.get(state, str(state)),
+            code=_CODE_NAMES.get(status, str(status)),
+            message=message,
+            bytes_read=b_read,
+            bytes_written=b_written,
+            crc32c=result & 0xFFFF_FFFF if crc32c_job and status == 0 else None,
+            submit_ns=t_sub,
+            start_ns=t_start,
+            end_ns=t_end,
+        )
+
+    @classmethod
     def from_proto(cls, c: job_pb2.Completion) -> Completion:
         """From a dpu.v1.Completion message."""
         return cls(

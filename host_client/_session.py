@@ -1,4 +1,11 @@
-"""Data-plane sessions: host buffers the agent reads and writes, and jobs on them."""
+"""Data-plane sessions: host buffers the agent reads and writes, and jobs on them.
+
+The fast path costs the host little: a job is a SUBMIT capsule encoded straight from
+its fields and a future; its COMPLETION resolves that future from the link's callback
+(no task per job, no capsule object in between). `submit_many` sends a batch of
+capsules in one go. A verbs link polls its completion queue while answers are due and
+sleeps on its completion channel otherwise; a tcp link is woken by its socket.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +20,10 @@ from typing import TYPE_CHECKING, Final, Self
 import grpc
 
 from dpu_wire import REQUEST_ID_METADATA_KEY, capsule, endpoints
-from dpu_wire.capsule import JobKind, Span
+from dpu_wire.capsule import ZERO_SPAN, Span
+from dpu_wire.jobkinds import BY_FIELD, CODECS, COMPUTE_KINDS, FLAG_FUA, KINDS, JobKind, Result
 from dpu_wire.transport.base import Access, TransportError
 from dpu_wire.v1 import agent_pb2, common_pb2, job_pb2, session_pb2
-from host_client import _request_ids
 from host_client._completion import Completion
 from host_client._errors import (
     DpuError,
@@ -25,31 +32,21 @@ from host_client._errors import (
     UnavailableError,
     from_rpc_error,
 )
+from host_client._request_ids import check as check_request_id
+from host_client._request_ids import current as current_request_id
+from host_client._request_ids import for_call
 
 if TYPE_CHECKING:
-    from collections.abc import Generator
+    from collections.abc import Generator, Iterable, Sequence
     from types import TracebackType
 
-    from dpu_wire.transport.base import HostTransport, Region
-    from host_client._client import Client
+    from dpu_wire.transport.base import HostLink, Region
+    from host_client._rpc import Rpc
 
 log = logging.getLogger(__name__)
 
-_SPEC_KINDS: Final = {
-    "copy": JobKind.COPY,
-    "crc32c": JobKind.CRC32C,
-    "volume_write": JobKind.VOLUME_WRITE,
-    "volume_read": JobKind.VOLUME_READ,
-    "volume_flush": JobKind.VOLUME_FLUSH,
-    "volume_trim": JobKind.VOLUME_TRIM,
-    "sha256": JobKind.SHA256,
-    "compress": JobKind.COMPRESS,
-    "decompress": JobKind.DECOMPRESS,
-    "encrypt": JobKind.ENCRYPT,
-    "decrypt": JobKind.DECRYPT,
-}
-_COMPUTE_KINDS: Final = {name: kind for name, kind in _SPEC_KINDS.items() if kind >= JobKind.SHA256}
-_FORMATS: Final = {"lz4": 1, "zstd": 2}
+_FORMATS: Final = {name: number for number, name in CODECS.items()}
+_COMPUTE_NAMES: Final = {KINDS[kind].field: kind for kind in COMPUTE_KINDS}
 TRANSPORT_NUMBERS: Final = {
     "auto": agent_pb2.TRANSPORT_UNSPECIFIED,
     "verbs": agent_pb2.TRANSPORT_VERBS,
@@ -94,6 +91,10 @@ class Buffer:
         """The whole buffer."""
         return BufferRef(self, 0, self.length)
 
+    def span(self) -> Span:
+        """The (addr, length, rkey) of the whole buffer, as capsules name it."""
+        return Span(self._region.addr, self._region.length, self._region.rkey)
+
     def _span(self, offset: int, length: int) -> Span:
         return Span(self._region.addr + offset, length, self._region.rkey)
 
@@ -118,12 +119,35 @@ class BufferRef:
 Target = Buffer | BufferRef
 
 
+def _span(target: Target) -> Span:
+    return target.span()
+
+
 def _ref(target: Target) -> BufferRef:
     return target.ref() if isinstance(target, Buffer) else target
 
 
+@dataclasses.dataclass(frozen=True)
+class JobRequest:
+    """A job ready to submit as a capsule (make it with the `Session.*_request` methods).
+
+    The fields of a SUBMIT capsule but the job id, which the session assigns.
+    """
+
+    kind: JobKind
+    source: Span = ZERO_SPAN
+    destination: Span = ZERO_SPAN
+    deadline_ms: int = 0
+    offset: int = 0
+    handle: int = 0
+    length: int = 0
+    flags: int = 0
+
+
 class Job:
     """A submitted job; `await job` gives its Completion (exactly one)."""
+
+    __slots__ = ("_future", "job_id", "kind")
 
     def __init__(self, job_id: int, kind: JobKind, future: asyncio.Future[Completion]) -> None:
         self.job_id = job_id
@@ -138,24 +162,36 @@ class Job:
         return self._future.__await__()
 
 
+def _deadline_ms(deadline: float | None) -> int:
+    if deadline is None:
+        return 0
+    ms = round(deadline * 1000)
+    if not 0 < ms <= capsule.U32_MAX:
+        raise InvalidArgumentError(
+            "INVALID_ARGUMENT", f"deadline must be 0.001 to {capsule.U32_MAX // 1000} s"
+        )
+    return ms
+
+
 class Session:
     """One data-plane session with the agent. Make it with `Client.open_session`."""
 
-    def __init__(self, client: Client, transport: HostTransport, queue_depth: int) -> None:
-        self._client = client
-        self._transport = transport
+    def __init__(self, rpc: Rpc, link: HostLink, queue_depth: int) -> None:
+        self._rpc = rpc
+        self._link = link
         self.queue_depth = queue_depth
         self.name = ""
         self.transport = ""
         self.request_id = ""  # the OpenSession call's x-request-id
         self._credits = asyncio.Semaphore(queue_depth)
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future[Completion], JobKind]] = {}
+        # job id -> (future, crc32c result?) of capsule and SubmitJob jobs in flight
+        self._pending: dict[int, tuple[asyncio.Future[Completion], bool]] = {}
         self._early: dict[int, Completion] = {}
+        self._cancelled: set[int] = set()
         self._buffers: dict[str, Buffer] = {}
         self._volumes: dict[str, int] = {}  # volume name -> capsule handle
         self._region_ids = itertools.count(1)
-        self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._watch_ready = asyncio.Event()
         self.error: DpuError | None = None
@@ -164,26 +200,26 @@ class Session:
 
     # ------------------------------------------------------------------ set-up
     async def _open(self, transport: int, label: str, request_id: str | None = None) -> None:
-        key = _request_ids.check(request_id) if request_id else uuid.uuid4().hex
-        self.request_id = request_id or _request_ids.current() or key
+        key = check_request_id(request_id) if request_id else uuid.uuid4().hex
+        self.request_id = request_id or current_request_id() or key
         request = session_pb2.OpenSessionRequest(
             request_id=key,
             transport=transport,  # type: ignore[arg-type]
             queue_depth=self.queue_depth,
             client_label=label,
-            host_endpoint=endpoints.to_proto(self._transport.address),
+            host_endpoint=endpoints.to_proto(self._link.address),
         )
-        reply: session_pb2.Session = await self._client._call(  # noqa: SLF001
-            self._client.stubs.sessions.OpenSession, request, request_id=self.request_id
+        reply: session_pb2.Session = await self._rpc.call(
+            self._rpc.stubs.sessions.OpenSession, request, request_id=self.request_id
         )
         self.name = reply.name
         self.transport = TRANSPORT_NAMES.get(reply.transport, str(reply.transport))
         try:
-            await self._transport.connect(endpoints.from_proto(reply.agent_endpoint))
+            await self._link.connect(endpoints.from_proto(reply.agent_endpoint))
         except TransportError as exc:
             await self._close_remote()
             raise UnavailableError("UNAVAILABLE", f"data plane did not connect: {exc}") from None
-        self._reader = asyncio.create_task(self._read_completions(), name=f"{self.name}/reader")
+        self._link.start(self._on_capsule, self._on_failure, lambda: bool(self._pending))
         self._watcher = asyncio.create_task(self._watch(), name=f"{self.name}/watch")
         await self._watch_ready.wait()
 
@@ -204,21 +240,20 @@ class Session:
             return
         self._closed = True
         await self._close_remote()
-        for task in (self._reader, self._watcher):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
         self._fail_pending(UnavailableError("CANCELLED", "session closed by the client"))
-        await self._transport.close()
+        await self._link.close()
         self._buffers.clear()
 
     async def _close_remote(self) -> None:
         if not self.name:
             return
         with contextlib.suppress(DpuError):
-            await self._client._call(  # noqa: SLF001
-                self._client.stubs.sessions.CloseSession,
+            await self._rpc.call(
+                self._rpc.stubs.sessions.CloseSession,
                 session_pb2.CloseSessionRequest(name=self.name, request_id=uuid.uuid4().hex),
             )
 
@@ -234,7 +269,7 @@ class Session:
         )
         if not access:
             raise InvalidArgumentError("INVALID_ARGUMENT", "a buffer must be readable or writable")
-        region = self._transport.register(length, access)
+        region = self._link.register(length, access)
         buffer = Buffer(self, region, f"r{next(self._region_ids)}")
         flags = [
             flag
@@ -245,8 +280,8 @@ class Session:
             if access & bit
         ]
         try:
-            await self._client._call(  # noqa: SLF001
-                self._client.stubs.sessions.AdvertiseRegions,
+            await self._rpc.call(
+                self._rpc.stubs.sessions.AdvertiseRegions,
                 session_pb2.AdvertiseRegionsRequest(
                     session=self.name,
                     request_id=uuid.uuid4().hex,
@@ -262,102 +297,194 @@ class Session:
                 ),
             )
         except DpuError:
-            self._transport.deregister(region)
+            self._link.deregister(region)
             raise
         self._buffers[buffer.region_id] = buffer
         return buffer
 
     async def free(self, buffer: Buffer) -> None:
-        """Withdraw a buffer from the agent and release its memory."""
+        """Withdraw a buffer from the agent and release its memory.
+
+        No job may still use it: on verbs the agent's access to a deregistered region
+        ends the session, as on tcp.
+        """
         if self._buffers.pop(buffer.region_id, None) is None:
             return
         with contextlib.suppress(DpuError):
-            await self._client._call(  # noqa: SLF001
-                self._client.stubs.sessions.WithdrawRegion,
+            await self._rpc.call(
+                self._rpc.stubs.sessions.WithdrawRegion,
                 session_pb2.WithdrawRegionRequest(name=buffer.name, request_id=uuid.uuid4().hex),
             )
-        self._transport.deregister(buffer._region)  # noqa: SLF001
+        self._link.deregister(buffer._region)  # noqa: SLF001
+
+    # ------------------------------------------------------------------ requests
+    def copy_request(
+        self, source: Target, destination: Target, *, deadline: float | None = None
+    ) -> JobRequest:
+        """A copy through DPU memory (same lengths)."""
+        src, dst = _span(source), _span(destination)
+        if src.length != dst.length:
+            raise InvalidArgumentError("INVALID_ARGUMENT", "source and destination lengths differ")
+        return JobRequest(JobKind.COPY, src, dst, _deadline_ms(deadline))
+
+    def crc32c_request(self, source: Target, *, deadline: float | None = None) -> JobRequest:
+        """A CRC32C of a buffer, computed on the DPU."""
+        return JobRequest(JobKind.CRC32C, _span(source), deadline_ms=_deadline_ms(deadline))
+
+    def compute_request(
+        self,
+        kind: str,
+        source: Target,
+        destination: Target,
+        *,
+        parameter: int | str = 0,
+        deadline: float | None = None,
+    ) -> JobRequest:
+        """A compute job (sha256, compress, decompress, encrypt, decrypt); see `submit_compute`."""
+        job_kind = _COMPUTE_NAMES.get(kind)
+        if job_kind is None:
+            choices = ", ".join(_COMPUTE_NAMES)
+            raise InvalidArgumentError("INVALID_ARGUMENT", f"compute kind is one of {choices}")
+        if isinstance(parameter, str):
+            if parameter not in _FORMATS:
+                raise InvalidArgumentError("INVALID_ARGUMENT", "format is lz4 or zstd")
+            parameter = _FORMATS[parameter]
+        return JobRequest(
+            job_kind,
+            _span(source),
+            _span(destination),
+            _deadline_ms(deadline),
+            handle=parameter,
+        )
+
+    def volume_request(  # noqa: PLR0913 - the volume job's fields
+        self,
+        kind: str,
+        volume: str,
+        *,
+        offset: int = 0,
+        source: Target | None = None,
+        destination: Target | None = None,
+        length: int = 0,
+        fua: bool = False,
+    ) -> JobRequest:
+        """A volume job (volume_write, volume_read, volume_flush, volume_trim).
+
+        The volume must be attached already (`await session.attach(volume)`; the
+        `submit_volume_*` methods attach it themselves).
+        """
+        row = BY_FIELD.get(kind)
+        if row is None or not row.volume:
+            raise InvalidArgumentError("INVALID_ARGUMENT", f"{kind!r} is not a volume job kind")
+        handle = self._volumes.get(volume)
+        if handle is None:
+            raise FailedPreconditionError(
+                "FAILED_PRECONDITION", f"{volume} is not attached (await session.attach first)"
+            )
+        return JobRequest(
+            row.kind,
+            _span(source) if source is not None else ZERO_SPAN,
+            _span(destination) if destination is not None else ZERO_SPAN,
+            offset=offset,
+            handle=handle,
+            length=length,
+            flags=FLAG_FUA if fua else 0,
+        )
 
     # ------------------------------------------------------------------ jobs (fast path)
+    async def submit(self, request: JobRequest) -> Job:
+        """Submit one job as a capsule; waits for a queue credit."""
+        return (await self.submit_many((request,)))[0]
+
+    async def submit_many(self, requests: Iterable[JobRequest]) -> list[Job]:
+        """Submit jobs as capsules in one send, waiting for credits as needed.
+
+        Jobs beyond the free credits wait for earlier ones to complete; those are sent
+        as soon as their credit is there (so a list longer than `queue_depth` works).
+        """
+        self._require_usable()
+        loop = asyncio.get_running_loop()
+        jobs: list[Job] = []
+        batch: list[bytes] = []
+        slots, pending = self._credits, self._pending
+        for request in requests:
+            if slots.locked() and batch:
+                self._send(batch)
+                batch = []
+            await slots.acquire()
+            if self.error is not None:
+                slots.release()
+                raise self.error
+            job_id = next(self._ids)
+            future: asyncio.Future[Completion] = loop.create_future()
+            pending[job_id] = (future, KINDS[request.kind].result is Result.CRC32C)
+            try:
+                batch.append(
+                    capsule.pack_submit(
+                        job_id,
+                        request.kind,
+                        request.source,
+                        request.destination,
+                        deadline_ms=request.deadline_ms,
+                        offset=request.offset,
+                        handle=request.handle,
+                        length=request.length,
+                        flags=request.flags,
+                    )
+                )
+            except ValueError as exc:
+                del pending[job_id]
+                slots.release()
+                raise InvalidArgumentError("INVALID_ARGUMENT", str(exc)) from None
+            jobs.append(Job(job_id, request.kind, future))
+        if batch:
+            self._send(batch)
+        return jobs
+
+    def _send(self, capsules: Sequence[bytes]) -> None:
+        try:
+            self._link.send(capsules)
+        except TransportError as exc:
+            self._on_failure(exc)
+
     async def submit_copy(
         self, source: Target, destination: Target, *, deadline: float | None = None
     ) -> Job:
         """Queue a copy through DPU memory as a capsule; waits for a queue credit."""
-        src, dst = _ref(source), _ref(destination)
-        if src.length != dst.length:
-            raise InvalidArgumentError("INVALID_ARGUMENT", "source and destination lengths differ")
-        return await self._submit(JobKind.COPY, src.span(), dst.span(), deadline)
+        return await self.submit(self.copy_request(source, destination, deadline=deadline))
 
     async def submit_crc32c(self, source: Target, *, deadline: float | None = None) -> Job:
         """Queue a CRC32C of a buffer as a capsule; waits for a queue credit."""
-        return await self._submit(JobKind.CRC32C, _ref(source).span(), Span(), deadline)
+        return await self.submit(self.crc32c_request(source, deadline=deadline))
 
     async def copy(
         self, source: Target, destination: Target, *, deadline: float | None = None
     ) -> Completion:
         """Copy and wait; raise the matching DpuError if the job failed."""
-        job = await self.submit_copy(source, destination, deadline=deadline)
+        job = await self.submit(self.copy_request(source, destination, deadline=deadline))
         return (await job).raise_for_status()
 
     async def crc32c(self, source: Target, *, deadline: float | None = None) -> int:
         """CRC32C computed on the DPU; raise if the job failed."""
-        completion = (
-            await (await self.submit_crc32c(source, deadline=deadline))
-        ).raise_for_status()
+        job = await self.submit(self.crc32c_request(source, deadline=deadline))
+        completion = (await job).raise_for_status()
         assert completion.crc32c is not None  # noqa: S101 - a succeeded crc32c job has one
         return completion.crc32c
 
-    async def _submit(  # noqa: PLR0913 - a SUBMIT capsule's fields
-        self,
-        kind: JobKind,
-        source: Span,
-        destination: Span,
-        deadline: float | None,
-        *,
-        offset: int = 0,
-        handle: int = 0,
-        length: int = 0,
-        flags: int = 0,
-    ) -> Job:
-        self._require_usable()
-        await self._credits.acquire()
-        if self.error is not None:
-            self._credits.release()
-            raise self.error
-        job_id = next(self._ids)
-        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        self._pending[job_id] = (future, kind)
-        message = capsule.Submit(
-            job_id=job_id,
-            kind=kind,
-            source=source,
-            destination=destination,
-            deadline_ms=int((deadline or 0) * 1000),
-            offset=offset,
-            handle=handle,
-            length=length,
-            flags=flags,
-        )
-        try:
-            await self._transport.send(message.encode())
-        except TransportError as exc:
-            self._on_failure(exc)
-        return Job(job_id, kind, future)
-
     async def cancel(self, job: Job) -> None:
         """Ask the agent to cancel a job; its completion says whether it did."""
+        if job.done() or job.job_id in self._cancelled:
+            return
         if job.job_id >= capsule.AGENT_JOB_ID_BASE:
-            await self._client._call(  # noqa: SLF001
-                self._client.stubs.jobs.CancelJob,
+            await self._rpc.call(
+                self._rpc.stubs.jobs.CancelJob,
                 job_pb2.CancelJobRequest(
                     name=f"{self.name}/jobs/{job.job_id}", request_id=uuid.uuid4().hex
                 ),
             )
             return
-        try:
-            await self._transport.send(capsule.Cancel(job.job_id).encode())
-        except TransportError as exc:
-            self._on_failure(exc)
+        self._cancelled.add(job.job_id)  # one CANCEL per job: the send ring holds them
+        self._send([capsule.Cancel(job.job_id).encode()])
 
     # ------------------------------------------------------------------ jobs (slow path)
     async def submit_rpc(
@@ -369,7 +496,7 @@ class Session:
         deadline: float | None = None,
         request_id: str | None = None,
     ) -> Job:
-        """Queue a job through JobService.SubmitJob; its completion comes on the watch stream."""
+        """Queue a copy or crc32c through JobService.SubmitJob; completes on the watch stream."""
         self._require_usable()
         spec = job_pb2.JobSpec()
         if kind == "copy":
@@ -394,18 +521,18 @@ class Session:
         attached volumes).
         """
         self._require_usable()
-        key = _request_ids.check(request_id) if request_id else uuid.uuid4().hex
-        rid = request_id or _request_ids.current() or key
+        key = check_request_id(request_id) if request_id else uuid.uuid4().hex
+        rid = request_id or current_request_id() or key
         kind = spec.WhichOneof("kind") or ""
-        job_kind = _SPEC_KINDS.get(kind)
-        if job_kind is None:
+        row = BY_FIELD.get(kind)
+        if row is None:
             raise InvalidArgumentError("INVALID_ARGUMENT", "the JobSpec names no job kind")
-        if kind.startswith("volume_"):
+        if row.volume:
             await self.attach(getattr(spec, kind).volume)
         await self._credits.acquire()
         try:
-            reply: job_pb2.Job = await self._client._call(  # noqa: SLF001
-                self._client.stubs.jobs.SubmitJob,
+            reply: job_pb2.Job = await self._rpc.call(
+                self._rpc.stubs.jobs.SubmitJob,
                 job_pb2.SubmitJobRequest(
                     session=self.name, spec=spec, request_id=key, wait_for_slot=True
                 ),
@@ -425,16 +552,16 @@ class Session:
                 self.error or UnavailableError("CANCELLED", "session closed by the client")
             )
         else:
-            self._pending[reply.job_id] = (future, job_kind)
-        return Job(reply.job_id, job_kind, future)
+            self._pending[reply.job_id] = (future, row.result is Result.CRC32C)
+        return Job(reply.job_id, row.kind, future)
 
     # ------------------------------------------------------------------ volumes (fast path)
     async def attach(self, volume: str) -> int:
         """The handle this session's capsules use for a volume ("volumes/{id}")."""
         handle = self._volumes.get(volume)
         if handle is None:
-            reply: session_pb2.VolumeAttachment = await self._client._call(  # noqa: SLF001
-                self._client.stubs.sessions.AttachVolume,
+            reply: session_pb2.VolumeAttachment = await self._rpc.call(
+                self._rpc.stubs.sessions.AttachVolume,
                 session_pb2.AttachVolumeRequest(
                     session=self.name, volume=volume, request_id=uuid.uuid4().hex
                 ),
@@ -446,68 +573,29 @@ class Session:
         self, volume: str, offset: int, source: Target, *, fua: bool = False
     ) -> Job:
         """Queue a write of host memory to a volume at `offset` (block aligned)."""
-        handle = await self.attach(volume)
-        flags = capsule.FLAG_FUA if fua else 0
-        span = _ref(source).span()
-        return await self._submit(
-            JobKind.VOLUME_WRITE, span, Span(), None, offset=offset, handle=handle, flags=flags
+        await self.attach(volume)
+        return await self.submit(
+            self.volume_request("volume_write", volume, offset=offset, source=source, fua=fua)
         )
 
     async def submit_volume_read(self, volume: str, offset: int, destination: Target) -> Job:
         """Queue a read of a volume at `offset` into host memory (block aligned)."""
-        handle = await self.attach(volume)
-        span = _ref(destination).span()
-        return await self._submit(
-            JobKind.VOLUME_READ, Span(), span, None, offset=offset, handle=handle
+        await self.attach(volume)
+        return await self.submit(
+            self.volume_request("volume_read", volume, offset=offset, destination=destination)
         )
 
     async def submit_volume_flush(self, volume: str) -> Job:
         """Queue a flush: what was written is on stable storage when it completes."""
-        handle = await self.attach(volume)
-        return await self._submit(JobKind.VOLUME_FLUSH, Span(), Span(), None, handle=handle)
+        await self.attach(volume)
+        return await self.submit(self.volume_request("volume_flush", volume))
 
     async def submit_volume_trim(self, volume: str, offset: int, length: int) -> Job:
         """Queue a trim of a block-aligned range (it reads as zeros afterwards)."""
-        handle = await self.attach(volume)
-        return await self._submit(
-            JobKind.VOLUME_TRIM, Span(), Span(), None, offset=offset, handle=handle, length=length
+        await self.attach(volume)
+        return await self.submit(
+            self.volume_request("volume_trim", volume, offset=offset, length=length)
         )
-
-    # ------------------------------------------------------------------ compute (fast path)
-    async def register_key(self, key: bytes) -> int:
-        """A handle for an AES key (16, 24 or 32 bytes) for encrypt/decrypt jobs."""
-        reply: session_pb2.KeyHandle = await self._client._call(  # noqa: SLF001
-            self._client.stubs.sessions.RegisterKey,
-            session_pb2.RegisterKeyRequest(session=self.name, key=key, request_id=uuid.uuid4().hex),
-        )
-        return reply.handle
-
-    async def submit_compute(
-        self, kind: str, source: Target, destination: Target, *, parameter: int | str = 0
-    ) -> Job:
-        """Queue a compute job; the output is WRITTEN to `destination`.
-
-        `kind`: sha256, compress or decompress (parameter: "lz4" or "zstd"), encrypt or
-        decrypt (parameter: a key handle from `register_key`). The output's size is the
-        completion's bytes_written.
-        """
-        job_kind = _COMPUTE_KINDS.get(kind)
-        if job_kind is None:
-            choices = ", ".join(_COMPUTE_KINDS)
-            raise InvalidArgumentError("INVALID_ARGUMENT", f"compute kind is one of {choices}")
-        if isinstance(parameter, str):
-            if parameter not in _FORMATS:
-                raise InvalidArgumentError("INVALID_ARGUMENT", "format is lz4 or zstd")
-            parameter = _FORMATS[parameter]
-        src, dst = _ref(source).span(), _ref(destination).span()
-        return await self._submit(job_kind, src, dst, None, handle=parameter)
-
-    async def compute(
-        self, kind: str, source: Target, destination: Target, *, parameter: int | str = 0
-    ) -> Completion:
-        """A compute job, waited for; raise the matching DpuError if it failed."""
-        job = await self.submit_compute(kind, source, destination, parameter=parameter)
-        return (await job).raise_for_status()
 
     async def write_volume(
         self, volume: str, offset: int, source: Target, *, fua: bool = False
@@ -521,40 +609,62 @@ class Session:
         job = await self.submit_volume_read(volume, offset, destination)
         return (await job).raise_for_status()
 
+    # ------------------------------------------------------------------ compute (fast path)
+    async def register_key(self, key: bytes) -> int:
+        """A handle for an AES key (16, 24 or 32 bytes) for encrypt/decrypt jobs."""
+        reply: session_pb2.KeyHandle = await self._rpc.call(
+            self._rpc.stubs.sessions.RegisterKey,
+            session_pb2.RegisterKeyRequest(session=self.name, key=key, request_id=uuid.uuid4().hex),
+        )
+        return reply.handle
+
+    async def submit_compute(
+        self, kind: str, source: Target, destination: Target, *, parameter: int | str = 0
+    ) -> Job:
+        """Queue a compute job; the output is WRITTEN to `destination`.
+
+        `kind`: sha256, compress or decompress (parameter: "lz4" or "zstd"), encrypt or
+        decrypt (parameter: a key handle from `register_key`). The output's size is the
+        completion's bytes_written.
+        """
+        return await self.submit(
+            self.compute_request(kind, source, destination, parameter=parameter)
+        )
+
+    async def compute(
+        self, kind: str, source: Target, destination: Target, *, parameter: int | str = 0
+    ) -> Completion:
+        """A compute job, waited for; raise the matching DpuError if it failed."""
+        job = await self.submit_compute(kind, source, destination, parameter=parameter)
+        return (await job).raise_for_status()
+
     # ------------------------------------------------------------------ completions
-    async def _read_completions(self) -> None:
+    def _on_capsule(self, data: memoryview) -> None:
+        """The link delivered a capsule: resolve the job it completes."""
         try:
-            while True:
-                data = await self._transport.recv()
-                try:
-                    message = capsule.decode(data)
-                except capsule.CapsuleError:
-                    self.protocol_errors += 1
-                    continue
-                if not isinstance(message, capsule.Completion):
-                    self.protocol_errors += 1
-                    continue
-                entry = self._pending.pop(message.job_id, None)
-                if entry is None:
-                    self.protocol_errors += 1  # e.g. the answer to an undecodable capsule
-                    log.warning(
-                        "completion for unknown job %d: %s", message.job_id, message.message
-                    )
-                    continue
-                future, kind = entry
-                self._credits.release()
-                if not future.done():
-                    future.set_result(
-                        Completion.from_capsule(message, crc32c_job=kind == JobKind.CRC32C)
-                    )
-        except TransportError as exc:
-            self._on_failure(exc)
+            opcode, _ = capsule.peek_header(data)
+            f = capsule.completion_fields(data) if opcode == capsule.Opcode.COMPLETION else None
+        except capsule.CapsuleError:
+            f = None
+        if f is None:  # undecodable, or not a COMPLETION: a host receives nothing else
+            self.protocol_errors += 1
+            return
+        entry = self._pending.pop(f[0], None)
+        if entry is None:
+            self.protocol_errors += 1  # e.g. the answer to an undecodable capsule
+            log.warning("completion for unknown job %d: %s", f[0], f[9])
+            return
+        future, crc = entry
+        self._credits.release()
+        self._cancelled.discard(f[0])
+        if not future.done():
+            future.set_result(Completion.from_fields(f, crc32c_job=crc))
 
     async def _watch(self) -> None:
         """Hold the session's watch stream (the agent's sign that this host is alive)."""
-        stream = self._client.stubs.jobs.WatchCompletions(
+        stream = self._rpc.stubs.jobs.WatchCompletions(
             job_pb2.WatchCompletionsRequest(session=self.name, origin=job_pb2.JOB_ORIGIN_RPC),
-            metadata=((REQUEST_ID_METADATA_KEY, _request_ids.for_call()),),
+            metadata=((REQUEST_ID_METADATA_KEY, for_call()),),
         )
         try:
             await stream.wait_for_connection()
@@ -585,10 +695,10 @@ class Session:
         self._fail_pending(self.error)
 
     def _fail_pending(self, error: DpuError) -> None:
-        for future, _ in self._pending.values():
+        pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
             if not future.done():
                 future.set_exception(error)
-        self._pending.clear()
 
     def _require_usable(self) -> None:
         if self._closed:

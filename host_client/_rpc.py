@@ -1,0 +1,107 @@
+"""The SDK's one way to make a call: typed stubs, the per-call deadline, request ids, errors.
+
+`Client` opens the channel and makes an `Rpc` over it; a `Session` gets the same
+`Rpc`, so sessions make their calls without reaching into the client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from dpu_wire import REQUEST_ID_METADATA_KEY
+from dpu_wire.v1 import (
+    agent_pb2_grpc,
+    job_pb2_grpc,
+    network_pb2_grpc,
+    session_pb2_grpc,
+    storage_pb2_grpc,
+    virtualization_pb2_grpc,
+)
+from host_client._errors import from_rpc_error
+from host_client._request_ids import for_call
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Iterable
+
+_R = TypeVar("_R")
+_T = TypeVar("_T")
+
+
+class _Page(Protocol):
+    """A List RPC's answer (AIP-158): one page and the token of the next."""
+
+    next_page_token: str
+
+
+_P = TypeVar("_P", bound=_Page)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stubs:
+    """Typed gRPC stubs of every dpu.v1 service, for calls the SDK does not wrap yet."""
+
+    agent: agent_pb2_grpc.AgentServiceAsyncStub
+    sessions: session_pb2_grpc.SessionServiceAsyncStub
+    jobs: job_pb2_grpc.JobServiceAsyncStub
+    storage: storage_pb2_grpc.StorageServiceAsyncStub
+    network: network_pb2_grpc.NetworkServiceAsyncStub
+    virtualization: virtualization_pb2_grpc.VirtualizationServiceAsyncStub
+    health: health_pb2_grpc.HealthStub
+
+    @classmethod
+    def over(cls, channel: grpc.aio.Channel) -> Stubs:
+        """Stubs over an open channel."""
+        ch: Any = channel
+        return cls(
+            agent=agent_pb2_grpc.AgentServiceStub(ch),
+            sessions=session_pb2_grpc.SessionServiceStub(ch),
+            jobs=job_pb2_grpc.JobServiceStub(ch),
+            storage=storage_pb2_grpc.StorageServiceStub(ch),
+            network=network_pb2_grpc.NetworkServiceStub(ch),
+            virtualization=virtualization_pb2_grpc.VirtualizationServiceStub(ch),
+            health=health_pb2_grpc.HealthStub(ch),
+        )
+
+
+class Rpc:
+    """Calls on one channel: each with the deadline, a request id, and DpuError on failure."""
+
+    def __init__(self, stubs: Stubs, timeout: float | None) -> None:
+        self.stubs = stubs
+        self.timeout = timeout
+
+    async def call(
+        self,
+        method: Callable[..., Awaitable[_R]],
+        request: object,
+        *,
+        request_id: str | None = None,
+    ) -> _R:
+        """Call `method` with `request`; raise the matching DpuError if it fails."""
+        rid = for_call(request_id)
+        try:
+            return await method(
+                request, timeout=self.timeout, metadata=((REQUEST_ID_METADATA_KEY, rid),)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, rid) from None
+
+    async def all_pages(
+        self,
+        method: Callable[..., Awaitable[_P]],
+        request: Callable[[str], object],
+        items: Callable[[_P], Iterable[_T]],
+    ) -> list[_T]:
+        """Every item of a paged List RPC: one call per page until the last."""
+        found: list[_T] = []
+        token = ""
+        while True:
+            page = await self.call(method, request(token))
+            found.extend(items(page))
+            token = page.next_page_token
+            if not token:
+                return found
