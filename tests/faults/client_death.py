@@ -45,7 +45,8 @@ async def agent_frees_a_killed_hosts_sessions(
     env = {
         **env,
         "DPU_AGENT_ORPHAN_TIMEOUT": str(ORPHAN_TIMEOUT),
-        "DPU_AGENT_CHUNK_SIZE": "4096",  # slow copies: still running at the kill
+        "DPU_AGENT_CHUNK_SIZE": "4096",  # slow copies, one at a time in each session:
+        "DPU_AGENT_STAGING_BUFFERS": "1",  # still running at the kill
         "DPU_AGENT_MAX_SESSIONS": str(BUSY + 1),
         "DPU_AGENT_METRICS_LISTEN": metrics_address,
     }

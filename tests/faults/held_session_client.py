@@ -20,7 +20,7 @@ import host_client
 
 REGIONS = 4
 QUEUE_DEPTH = 8
-COPY_BYTES = 16 << 20
+COPY_BYTES = 64 << 20  # at 4 KiB chunks, one buffer a session: seconds a job
 VOLUME = "volumes/held-1"
 
 

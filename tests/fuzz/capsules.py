@@ -291,9 +291,9 @@ async def exchange(
         if answer is not None:
             future = loop.create_future()
             await session._credits.acquire()
-            session._pending[answer] = (future, JobKind.COPY)
+            session._pending[answer] = (future, False)
         futures.append(future)
-        await session._transport.send(data)
+        session._link.send([data])
     async with asyncio.timeout(HANG_S):
         return [None if f is None else await f for f in futures]
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import host_client
 from dpu_wire import capsule
+from dpu_wire.transport import tcp
 from tests.fuzz import capsules
 from tests.fuzz.capsules import Target
 from tests.fuzz.conftest import check_alive
@@ -126,7 +127,9 @@ def test_random_and_damaged_capsules(fuzz_loop, fuzz_agent, capsule_session):
 def test_an_oversized_capsule_ends_the_session_and_says_why(fuzz_loop, fuzz_agent, client, size):
     async def send_oversized() -> tuple[str, bool]:
         async with await client.open_session(transport="tcp", label="oversized") as session:
-            await session._transport.send(bytes(size))
+            link = session._link  # past the SDK's own size check: a raw CAPSULE frame
+            link._stream.queue(tcp.pack(tcp.FrameType.CAPSULE, length=size), bytes(size))
+            link._flush()
             for _ in range(200):
                 if session.failed:
                     break

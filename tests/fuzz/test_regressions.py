@@ -16,7 +16,7 @@ BY_NAME = {str(rpc): rpc for rpc in rpcs.all_rpcs()}
 
 
 def _unencodable_host() -> bytes:
-    endpoint = session_pb2.TcpEndpoint(host="a" * 64, port=1)  # a label IDNA refuses
+    endpoint = session_pb2.TcpEndpoint(host="a" * 64, port=1, token=bytes(32))  # IDNA refuses it
     request = session_pb2.OpenSessionRequest(host_endpoint=session_pb2.Endpoint(tcp=endpoint))
     return request.SerializeToString()
 
@@ -37,7 +37,7 @@ def _bad_watched_name() -> bytes:
 @pytest.mark.parametrize(
     ("rpc", "request_bytes", "code"),
     [
-        ("SessionService/OpenSession", _unencodable_host, grpc.StatusCode.UNAVAILABLE),
+        ("SessionService/OpenSession", _unencodable_host, grpc.StatusCode.PERMISSION_DENIED),
         ("JobService/SubmitJob", _huge_deadline, grpc.StatusCode.INVALID_ARGUMENT),
         ("NetworkService/WatchFlowCounters", _bad_watched_name, grpc.StatusCode.INVALID_ARGUMENT),
     ],

@@ -60,10 +60,10 @@ async def test_capsules_beyond_the_credits_are_refused_not_dropped(slow_agent):
         futures = {}
         for job_id in (201, 202, 203):
             future = asyncio.get_running_loop().create_future()
-            session._pending[job_id] = (future, JobKind.COPY)
+            session._pending[job_id] = (future, False)
             futures[job_id] = future
             message = capsule.Submit(job_id, JobKind.COPY, src.ref().span(), dst.ref().span())
-            await session._transport.send(message.encode())
+            session._link.send([message.encode()])
         results = {job_id: await asyncio.wait_for(f, 60) for job_id, f in futures.items()}
         assert results[203].code == "RESOURCE_EXHAUSTED"
         assert results[201].ok

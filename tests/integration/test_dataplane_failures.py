@@ -45,7 +45,9 @@ CLIENT = textwrap.dedent(
 
 
 async def test_host_killed_the_agent_frees_its_session(tmp_path):
-    agent = start_agent(tmp_path, env={"DPU_AGENT_ORPHAN_TIMEOUT": "1"})
+    agent = start_agent(
+        tmp_path, env={"DPU_AGENT_ORPHAN_TIMEOUT": "1", "DPU_AGENT_FAILED_RETENTION": "1"}
+    )
     try:
         host = subprocess.Popen(  # noqa: ASYNC220 - starting it is quick
             [sys.executable, "-c", CLIENT, agent.address], stdout=subprocess.PIPE, text=True

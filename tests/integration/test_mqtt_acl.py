@@ -26,8 +26,9 @@ import signal
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self
 
 import aiomqtt
 import paho.mqtt.client as paho
@@ -36,8 +37,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 import host_client
 from dpu_agent.dataplane.jobs import JobRecord, Origin
-from dpu_agent.dataplane.session import Session, SessionSettings
-from dpu_agent.events import MqttEventPublisher, MqttSettings, payloads
+from dpu_agent.events import MqttEventPublisher, MqttSettings
+from dpu_wire import events as payloads
 from dpu_wire import names
 from dpu_wire.capsule import JobKind, Span, State
 from host_client import EventSubscriber, PermissionDeniedError, UnavailableError, _certs
@@ -164,22 +165,16 @@ def secure(tmp_path) -> Iterator[SecureBroker]:
 
 
 # ---------------------------------------------------------------------- sources of completions
-def session_of(tenant: str) -> Session:
-    return Session(
-        f"s-{tenant}",
-        tenant=tenant,
-        label="",
-        transport_kind=2,
-        transport=cast("Any", None),
-        settings=SessionSettings(),
-    )
+def session_of(tenant: str) -> types.SimpleNamespace:
+    """What the publisher reads of a session: its tenant and id."""
+    return types.SimpleNamespace(session_id=f"s-{tenant}", tenant=tenant)
 
 
 def finished_job(job_id: int) -> JobRecord:
     job = JobRecord(job_id, JobKind.CRC32C, Span(0x1000, 512, 1), Span(), Origin.CAPSULE, 0.0)
     job.start()
-    job.progress.bytes_read = 512
-    job.progress.result = job_id
+    job.bytes_read = 512
+    job.result = job_id
     job.finish(State.SUCCEEDED)
     return job
 

@@ -6,15 +6,16 @@ import signal
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import aiomqtt
 import pytest
 
 from dpu_agent.dataplane.jobs import JobRecord, Origin
-from dpu_agent.dataplane.session import Session, SessionSettings
-from dpu_agent.events import MqttEventPublisher, MqttSettings, payloads
+from dpu_agent.events import MqttEventPublisher, MqttSettings
+from dpu_wire import events as payloads
 from dpu_wire.capsule import JobKind, Span, State
 from host_client import UnavailableError
 from host_client._events import EventSubscriber, parse_completion
@@ -54,23 +55,17 @@ def settings(broker_port, **overrides):
     return MqttSettings(**{**values, **overrides})
 
 
-def make_session(session_id="s-1a2b3c"):
-    return Session(
-        session_id,
-        tenant="default",
-        label="",
-        transport_kind=2,
-        transport=cast("Any", None),
-        settings=SessionSettings(),
-    )
+def make_session(session_id="s-1a2b3c") -> types.SimpleNamespace:
+    """What the publisher reads of a session: its tenant and id."""
+    return types.SimpleNamespace(session_id=session_id, tenant="default")
 
 
 def finished_job(job_id):
     kind = JobKind.CRC32C if job_id % 3 == 0 else JobKind.COPY
     job = JobRecord(job_id, kind, Span(0x1000, 512, 1), Span(), Origin.CAPSULE, 0.0)
     job.start()
-    job.progress.bytes_read = 512
-    job.progress.result = job_id
+    job.bytes_read = 512
+    job.result = job_id
     if job_id % 5 == 4:
         job.finish(State.FAILED, 14, "data plane failed")
     else:

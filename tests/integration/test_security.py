@@ -278,8 +278,10 @@ async def test_a_job_names_only_its_own_sessions_regions_and_volumes(tls_agent, 
             assert mine.view != secret.view
             assert secret.view == b"s" * 4096
             # capsule path: B uses A's volume handle; B attached nothing
-            read = await sb._submit(
-                JobKind.VOLUME_READ, Span(), mine.ref().span(), None, handle=handle, offset=0
+            read = await sb.submit(
+                host_client.JobRequest(
+                    JobKind.VOLUME_READ, Span(), mine.ref().span(), handle=handle
+                )
             )
             done = await read
             assert done.code == "INVALID_ARGUMENT"

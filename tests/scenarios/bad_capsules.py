@@ -23,9 +23,9 @@ async def raw_submit(session: host_client.Session, data: bytes) -> host_client.C
     job_id = struct.unpack_from("<Q", data, 8)[0] if len(data) >= 16 else 0
     loop = asyncio.get_running_loop()
     future = loop.create_future()
-    session._pending[job_id] = (future, JobKind.COPY)
+    session._pending[job_id] = (future, False)
     await session._credits.acquire()
-    await session._transport.send(data)
+    session._link.send([data])
     return await asyncio.wait_for(future, 30)
 
 

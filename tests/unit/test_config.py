@@ -140,7 +140,7 @@ def test_dataplane_settings_from_the_environment(env, attr, value):
         ({"DPU_AGENT_TRANSPORTS": "rdma"}, "comma list of verbs, tcp"),
         ({"DPU_AGENT_QUEUE_DEPTH": "0"}, "from 1 to 1024"),
         ({"DPU_AGENT_CHUNK_SIZE": "100"}, "from 4096"),
-        ({"DPU_AGENT_POLL_MODE": "spin"}, "event, busy"),
+        ({"DPU_AGENT_POLL_MODE": "spin"}, "adaptive, busy, event"),
     ],
 )
 def test_bad_dataplane_settings(env, message):

@@ -1,13 +1,15 @@
 """The agent's metrics: what each hook counts, the state read at scrape time, the endpoint.
 
-Sessions here are real: a SessionManager over the tcp transport on loopback, with a
-TcpHostTransport as the host. The endpoint is scraped over HTTP on loopback.
+Sessions here are real: a SessionManager on a data-plane reactor over the tcp
+transport on loopback, with a TcpHostLink as the host. The endpoint is scraped over
+HTTP on loopback.
 """
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import socket
+import types
 import urllib.request
 
 import crc32c
@@ -17,8 +19,13 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpu_agent import config, metrics, request_context
+from dpu_agent.dataplane import transports
+from dpu_agent.dataplane.admission import JobRequest
+from dpu_agent.dataplane.bus import CompletionBus
+from dpu_agent.dataplane.hostpolicy import parse_allow
 from dpu_agent.dataplane.jobs import JobRecord, Origin
 from dpu_agent.dataplane.manager import TRANSPORT_TCP, ManagerSettings, SessionManager
+from dpu_agent.dataplane.reactor import Reactor
 from dpu_agent.dataplane.regions import AdvertisedRegion
 from dpu_agent.events import MqttEventPublisher, MqttSettings
 from dpu_agent.network import model
@@ -29,7 +36,7 @@ from dpu_agent.storage import open_store
 from dpu_agent.storage.types import DataServices
 from dpu_wire.capsule import JobKind, Span, State
 from dpu_wire.transport.base import Access
-from dpu_wire.transport.tcp import TcpAgentTransport, TcpHostTransport
+from dpu_wire.transport.tcp import TcpHostLink
 
 T0 = 1_700_000_000_000_000_000
 
@@ -40,21 +47,24 @@ def value(m: metrics.AgentMetrics, name: str, **labels: str) -> float | None:
 
 def finished(kind=JobKind.COPY, state=State.SUCCEEDED, code=0, nbytes=4096, took_ns=3_000_000):
     job = JobRecord(1, kind, Span(), Span(), Origin.CAPSULE, 0.0, submit_ns=T0)
-    job.progress.bytes_read = nbytes
-    job.progress.bytes_written = nbytes if kind == JobKind.COPY else 0
-    completion = job.finish(state, code)
-    assert completion is not None
-    job.completion = dataclasses.replace(completion, end_ns=T0 + took_ns)
+    job.bytes_read = nbytes
+    job.bytes_written = nbytes if kind == JobKind.COPY else 0
+    assert job.finish(state, code)
+    job.end_ns = T0 + took_ns
     return job
+
+
+def over(transport: int) -> types.SimpleNamespace:
+    """What the metrics read of a batch's session."""
+    return types.SimpleNamespace(transport_kind=transport)
 
 
 def test_finished_jobs_are_counted_by_kind_status_latency_and_bytes():
     m = metrics.AgentMetrics("dpu-0", "1.2.3")
-    m.job_finished(finished(), TRANSPORT_TCP)
-    m.job_finished(finished(), TRANSPORT_TCP)
-    m.job_finished(finished(JobKind.CRC32C, nbytes=100), TRANSPORT_TCP)
-    m.job_finished(finished(JobKind.CRC32C, State.FAILED, 3, nbytes=0), TRANSPORT_TCP)
-    m.job_finished(finished(JobKind.SHA256, State.CANCELLED, 1, nbytes=0), 1)
+    m.on_completions(over(TRANSPORT_TCP), [finished(), finished()])
+    m.on_completions(over(TRANSPORT_TCP), [finished(JobKind.CRC32C, nbytes=100)])
+    m.on_completions(over(TRANSPORT_TCP), [finished(JobKind.CRC32C, State.FAILED, 3, nbytes=0)])
+    m.on_completions(over(1), [finished(JobKind.SHA256, State.CANCELLED, 1, nbytes=0)])
     assert value(m, "dpu_agent_info", agent="dpu-0", version="1.2.3") == 1
     jobs = "dpu_agent_jobs_total"
     assert value(m, jobs, kind="copy", status="OK") == 2
@@ -73,16 +83,10 @@ def test_finished_jobs_are_counted_by_kind_status_latency_and_bytes():
     assert value(m, moved, direction="read", transport="verbs") == 0
 
 
-def test_an_unfinished_job_is_not_counted():
-    m = metrics.AgentMetrics("a", "v")
-    m.job_finished(JobRecord(1, JobKind.COPY, Span(), Span(), Origin.CAPSULE, 0.0), TRANSPORT_TCP)
-    assert value(m, "dpu_agent_jobs_total", kind="copy", status="OK") == 0
-
-
 def test_counters_do_not_wrap_at_64_bits():
     m = metrics.AgentMetrics("a", "v")
     for _ in range(2):
-        m.job_finished(finished(nbytes=1 << 63), TRANSPORT_TCP)
+        m.on_completions(over(TRANSPORT_TCP), [finished(nbytes=1 << 63)])
     moved = value(m, "dpu_agent_dataplane_bytes_total", direction="read", transport="tcp")
     assert moved == float(1 << 64)
 
@@ -108,24 +112,39 @@ def test_status_names(code, name):
 @pytest_asyncio.fixture
 async def manager():
     m = metrics.AgentMetrics("a", "v")
+    reactor = Reactor()
+    reactor.start()
+    bus = CompletionBus()
+    bus.subscribe(m.on_completions)
+    tcp = functools.partial(transports._tcp, parse_allow("peer"), 30.0)
     manager = SessionManager(
-        ManagerSettings(orphan_timeout=0.2, chunk_size=4096),
-        {TRANSPORT_TCP: lambda _depth: TcpAgentTransport()},
-        metrics=m,
+        ManagerSettings(orphan_timeout=0.2, failed_retention=1.0, chunk_size=65536),
+        {TRANSPORT_TCP: tcp},
+        reactor=reactor,
+        bus=bus,
+        events=m,
     )
     m.observe(sessions=manager)
     manager.start()
     yield manager, m
     await manager.stop()
+    await asyncio.to_thread(reactor.stop)
 
 
 async def open_session(manager, depth=4):
-    host = TcpHostTransport()
+    host = TcpHostLink()
+    host.listen()
     request_context.request_id.set("open-rid-1")
-    session, _ = await asyncio.gather(
-        manager.open(tenant="default", transport=0, queue_depth=depth, label="", host=host.address),
-        host.connect(None),
+    session = await manager.open(
+        tenant="default",
+        transport=0,
+        queue_depth=depth,
+        label="",
+        host=host.address,
+        peer="ipv4:127.0.0.1:1",
     )
+    await host.connect(session.address)
+    host.start(lambda _capsule: None, lambda _error: None, lambda: False)
     return session, host
 
 
@@ -151,11 +170,14 @@ async def test_sessions_and_jobs_move_the_gauges_and_counters(manager):
     region.view[:] = bytes(range(100)) * 100
     session.regions.add(AdvertisedRegion("r1", region.addr, 10_000, region.rkey, region.access))
     request_context.request_id.set("submit-rid-2")
-    job = await session.submit(JobKind.CRC32C, Span(region.addr, 10_000, region.rkey), Span())
+    request = JobRequest(
+        session.next_job_id(), JobKind.CRC32C, Span(region.addr, 10_000, region.rkey), Span(), 0
+    )
+    job = await session.submit(request)
     assert job.rpc_request_id == "submit-rid-2"
     finished_job = await watcher.queue.get()
     assert finished_job is job
-    assert job.progress.result == crc32c.crc32c(bytes(region.view))
+    assert job.result == crc32c.crc32c(bytes(region.view))
     assert value(m, "dpu_agent_jobs_total", kind="crc32c", status="OK") == 1
     read = value(m, "dpu_agent_dataplane_bytes_total", direction="read", transport="tcp")
     assert read == 10_000
@@ -185,7 +207,7 @@ async def test_a_broken_data_plane_is_counted_and_its_session_closed_as_failed(m
     manager, m = manager
     session, host = await open_session(manager)
     watcher = session.watch(include_retained=False)
-    host._conn.sock.send(bytes([0xFF]) * 24)  # a frame of no known type: the link is broken
+    host._stream.sock.send(bytes([0xFF]) * 24)  # a frame of no known type: the link is broken
     assert await watcher.queue.get() is None  # the session failed: its watchers end
     assert not session.host_gone
     session.unwatch(watcher)
@@ -303,7 +325,7 @@ def scrape(url: str) -> dict[str, float]:
 @pytest.mark.asyncio
 async def test_the_endpoint_serves_the_registry_over_http():
     m = metrics.AgentMetrics("dpu-7", "0.1.0")
-    m.job_finished(finished(), TRANSPORT_TCP)
+    m.on_completions(over(TRANSPORT_TCP), [finished()])
     server = metrics.MetricsServer(m.registry)
     address = server.start("127.0.0.1:0")
     try:

@@ -1,32 +1,44 @@
-"""The tcp transport on loopback: the same semantics the verbs transport has."""
+"""The tcp transport on loopback: RC queue-pair semantics, the handshake, hostile peers.
+
+The agent's side runs on a real data-plane reactor thread, the host's on this event
+loop, as in the agent and the SDK.
+"""
 
 import asyncio
 import os
+import socket
+import struct
 
 import pytest
 import pytest_asyncio
 
-from dpu_wire.transport.base import Access, RemoteAccessError, TransportError
-from dpu_wire.transport.tcp import TcpAgentTransport, TcpHostTransport
+from dpu_wire.transport import tcp
+from dpu_wire.transport.base import (
+    Access,
+    PeerClosed,
+    RemoteAccessError,
+    TcpAddress,
+    TransportError,
+)
+from tests.links import AgentEnd, reactor, tcp_pair
 
 pytestmark = pytest.mark.asyncio
 
 
 @pytest_asyncio.fixture
 async def pair():
-    host = TcpHostTransport()
-    agent = TcpAgentTransport()
-    await asyncio.gather(agent.connect(host.address), host.connect(agent.address))
-    yield host, agent
-    await agent.close()
-    await host.close()
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        yield host, agent
+        await agent.close()
+        await host.close()
 
 
 async def test_read_and_write_move_every_byte(pair):
     host, agent = pair
     size = 4 << 20
-    src = host.register(size, Access.REMOTE_READ)
-    dst = host.register(size, Access.REMOTE_WRITE)
+    src = host.link.register(size, Access.REMOTE_READ)
+    dst = host.link.register(size, Access.REMOTE_WRITE)
     data = os.urandom(size)
     src.view[:] = data
     staging = agent.staging(size)
@@ -34,12 +46,11 @@ async def test_read_and_write_move_every_byte(pair):
     assert bytes(staging.view) == data
     await agent.write(staging, 0, size, dst.addr, dst.rkey)
     assert bytes(dst.view) == data
-    agent.release(staging)
 
 
 async def test_partial_spans_land_at_the_right_offsets(pair):
     host, agent = pair
-    region = host.register(4096, Access.REMOTE_READ | Access.REMOTE_WRITE)
+    region = host.link.register(4096, Access.REMOTE_READ | Access.REMOTE_WRITE)
     region.view[:] = bytes(range(256)) * 16
     staging = agent.staging(100)
     await agent.read(staging, 10, 50, region.addr + 1000, region.rkey)
@@ -58,22 +69,25 @@ async def test_partial_spans_land_at_the_right_offsets(pair):
         (Access.REMOTE_READ, "read", 0, 16, 1),  # wrong rkey
     ],
 )
-async def test_refused_access_fails_the_op_not_the_link(
+async def test_a_refused_access_ends_the_link_on_both_sides_as_on_verbs(
     pair, access, op, offset, length, key_delta
 ):
     host, agent = pair
-    region = host.register(4096, access)
+    region = host.link.register(4096, access)
     staging = agent.staging(64)
     with pytest.raises(RemoteAccessError):
         await getattr(agent, op)(staging, 0, length, region.addr + offset, region.rkey + key_delta)
-    ok = host.register(64, Access.REMOTE_READ)
-    await agent.read(staging, 0, 64, ok.addr, ok.rkey)  # the link still works
+    ok = host.link.register(64, Access.REMOTE_READ)
+    with pytest.raises(TransportError):
+        await agent.read(staging, 0, 64, ok.addr, ok.rkey)
+    with pytest.raises(RemoteAccessError):
+        await host.recv()  # the host refused it and knows its data plane is over
 
 
 async def test_capsules_both_ways_in_order(pair):
     host, agent = pair
     for i in range(50):
-        await host.send(b"h%d" % i)
+        host.send(b"h%d" % i)
     for i in range(50):
         await agent.send(b"a%d" % i)
     assert [await agent.recv() for _ in range(50)] == [b"h%d" % i for i in range(50)]
@@ -82,38 +96,194 @@ async def test_capsules_both_ways_in_order(pair):
 
 async def test_write_is_visible_before_a_later_capsule(pair):
     host, agent = pair
-    region = host.register(1 << 20, Access.REMOTE_WRITE)
+    region = host.link.register(1 << 20, Access.REMOTE_WRITE)
     staging = agent.staging(1 << 20)
     staging.view[:] = b"\x5a" * (1 << 20)
-    await agent.write(staging, 0, 1 << 20, region.addr, region.rkey)
-    await agent.send(b"done")
+
+    def post() -> None:  # the WRITE unsignalled and the SEND behind it, as a job's end
+        agent.link.post_write(staging, 0, 1 << 20, region.addr, region.rkey, None)
+        agent.link.post_send(b"done", None)
+        agent.reactor.wake(agent.link)
+
+    agent.reactor.call(post)
     assert await host.recv() == b"done"
     assert bytes(region.view) == b"\x5a" * (1 << 20)
 
 
 async def test_peer_gone_fails_pending_and_later_ops(pair):
     host, agent = pair
-    region = host.register(64, Access.REMOTE_READ)
+    region = host.link.register(64, Access.REMOTE_READ)
     await host.close()
     staging = agent.staging(64)
-    with pytest.raises(TransportError):
+    with pytest.raises(PeerClosed):
         await agent.recv()
     with pytest.raises(TransportError):
         await agent.read(staging, 0, 64, region.addr, region.rkey)
 
 
-async def test_deregistered_region_is_refused(pair):
-    host, agent = pair
-    region = host.register(64, Access.REMOTE_READ)
-    addr, rkey = region.addr, region.rkey
-    host.deregister(region)
-    with pytest.raises(RemoteAccessError):
-        await agent.read(agent.staging(64), 0, 64, addr, rkey)
-
-
 async def test_close_is_idempotent(pair):
     host, agent = pair
     await agent.close()
+    agent.link.close()
+    await host.close()
+    await host.close()
+
+
+# ---------------------------------------------------------------- a hostile host
+
+
+class RawHost:
+    """A host written from the spec by hand: a listener, HELLO, then raw frames."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.setblocking(False)
+        self.token = tcp.new_token()
+        self.address = TcpAddress("127.0.0.1", self.listener.getsockname()[1], self.token)
+        self.sock: socket.socket | None = None
+
+    async def accept(self, hello: bytes | None = None) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        sock, _ = await loop.sock_accept(self.listener)
+        sock.setblocking(False)
+        token = self.token if hello is None else hello
+        await loop.sock_sendall(sock, tcp.pack(tcp.FrameType.HELLO, length=len(token)) + token)
+        self.sock = sock
+        return sock
+
+    async def recv_exactly(self, n: int) -> bytes:
+        assert self.sock is not None
+        loop = asyncio.get_running_loop()
+        data = b""
+        while len(data) < n:
+            chunk = await loop.sock_recv(self.sock, n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    async def frame(self) -> tcp.Frame:
+        kind, status, _r, req_id, addr, rkey, length = tcp.FRAME.unpack(
+            await self.recv_exactly(tcp.FRAME.size)
+        )
+        return tcp.Frame(kind, status, req_id, addr, rkey, length)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.listener.close()
+
+
+@pytest_asyncio.fixture
+async def raw():
+    host = RawHost()
+    async with reactor() as r:
+        yield host, r
+    host.close()
+
+
+async def connected(raw_host: RawHost, r) -> AgentEnd:
+    (sock, token), _ = await asyncio.gather(tcp.dial(raw_host.address), raw_host.accept())
+    assert (await raw_host.frame()).kind == tcp.FrameType.HELLO
+    assert await raw_host.recv_exactly(tcp.TOKEN_BYTES) == token
+    agent = AgentEnd(tcp.TcpAgentLink(sock, token), r)
+    await agent.start()
+    return agent
+
+
+async def test_the_agent_sends_nothing_to_a_listener_without_the_sessions_token(raw):
+    host, _ = raw
+    loop = asyncio.get_running_loop()
+    dialing = asyncio.ensure_future(tcp.dial(host.address, hello_timeout=1.0))
+    sock, _ = await loop.sock_accept(host.listener)  # an unrelated listener: no HELLO
+    sock.setblocking(False)
+    with pytest.raises(TransportError, match="cannot connect the data plane"):
+        await asyncio.wait_for(asyncio.shield(dialing), 10)
+    got = b""
+    while chunk := await asyncio.wait_for(loop.sock_recv(sock, 4096), 5):  # until EOF
+        got += chunk
+    sock.close()
+    assert got == b"", "the agent sent bytes to a listener that never proved itself"
+
+
+async def test_a_wrong_token_gets_nothing_and_the_same_error(raw):
+    host, _ = raw
+    dialing = asyncio.ensure_future(tcp.dial(host.address))
+    sock = await host.accept(hello=os.urandom(tcp.TOKEN_BYTES))
+    with pytest.raises(TransportError) as refused:
+        await dialing
+    result = refused.value
+    assert str(result) == "cannot connect the data plane to the host"
+    loop = asyncio.get_running_loop()
+    assert await asyncio.wait_for(loop.sock_recv(sock, 4096), 5) == b""  # closed, sent nothing
+
+
+async def test_closed_and_wrong_listeners_read_the_same(raw):
+    host, _ = raw
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with pytest.raises(TransportError) as refused:
+        await tcp.dial(TcpAddress("127.0.0.1", port, host.token))
+    assert str(refused.value) == "cannot connect the data plane to the host"
+
+
+async def test_a_write_ack_is_no_answer_to_a_read(raw):
+    host, r = raw
+    agent = await connected(host, r)
+    staging = agent.staging(4096)
+    staging.view[:] = b"\x01" * 4096
+    reading = asyncio.ensure_future(agent.read(staging, 0, 4096, 0x1000, 7))
+    request = await host.frame()
+    assert request.kind == tcp.FrameType.READ
+    host.sock.send(tcp.pack(tcp.FrameType.WRITE_ACK, 0, request.req_id))  # wrong type
+    with pytest.raises(TransportError, match="answers no outstanding"):
+        await reading
+    assert bytes(staging.view) == b"\x01" * 4096, "the staging buffer was touched"
     await agent.close()
-    await host.close()
-    await host.close()
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        tcp.pack(tcp.FrameType.READ_RESP, 0, 99, length=0),  # unknown request
+        tcp.pack(tcp.FrameType.READ, 0, 1, 0x1000, 1, 16),  # a host does not READ
+        tcp.pack(tcp.FrameType.HELLO, length=32) + bytes(32),  # a second HELLO
+        tcp.pack(tcp.FrameType.CAPSULE, length=257) + bytes(257),  # too long
+        bytes([0xFF]) * 24,  # no such type
+    ],
+)
+async def test_a_protocol_violation_ends_the_link(raw, frame):
+    host, r = raw
+    agent = await connected(host, r)
+    host.sock.send(frame)
+    with pytest.raises(TransportError):
+        await asyncio.wait_for(agent.recv(), 10)
+    await agent.close()
+
+
+async def test_a_read_the_host_never_answers_fails_the_link_after_op_timeout(raw):
+    host, r = raw
+    (sock, token), _ = await asyncio.gather(tcp.dial(host.address), host.accept())
+    await host.recv_exactly(tcp.FRAME.size + tcp.TOKEN_BYTES)
+    agent = AgentEnd(tcp.TcpAgentLink(sock, token, op_timeout=1.0), r)
+    await agent.start()
+    with pytest.raises(TransportError, match="unanswered"):
+        await asyncio.wait_for(agent.read(agent.staging(64), 0, 64, 0x1000, 1), 10)
+    await agent.close()
+
+
+async def test_many_frames_per_system_call():
+    """A burst of capsules leaves in few sendmsg calls and arrives whole, in order."""
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        link = host.link
+        assert isinstance(link, tcp.TcpHostLink)
+        assert link._stream is not None
+        capsules = [struct.pack("<I", i) * 20 for i in range(2000)]
+        for capsule in capsules:
+            link._stream.queue(tcp.pack(tcp.FrameType.CAPSULE, length=len(capsule)), capsule)
+        link._flush()
+        assert [await agent.recv() for _ in capsules] == capsules
+        await agent.close()
+        await host.close()

@@ -38,7 +38,7 @@ def _force_error_state(session: host_client.Session) -> None:
     import pyverbs.enums as e  # noqa: PLC0415 - only in the VM
     from pyverbs.qp import QPAttr  # noqa: PLC0415
 
-    qp = session._transport._qp._qp  # type: ignore[attr-defined]  # the pyverbs QP
+    qp = session._link._qp._qp  # type: ignore[attr-defined]  # the pyverbs QP
     attr = QPAttr()
     attr.qp_state = e.IBV_QPS_ERR
     qp.modify(attr, e.IBV_QP_STATE)
@@ -55,7 +55,8 @@ async def test_qp_forced_to_error_fails_pending_jobs_and_a_new_session_works(rdm
     metrics_address = f"127.0.0.1:{free_port()}"
     env = {
         **_verbs_env(rdma_port),
-        "DPU_AGENT_CHUNK_SIZE": "4096",  # slow copies: in flight when the QP breaks
+        "DPU_AGENT_CHUNK_SIZE": "4096",  # slow copies, one at a time: in flight when the
+        "DPU_AGENT_STAGING_BUFFERS": "1",  # QP breaks
         "DPU_AGENT_METRICS_LISTEN": metrics_address,
     }
     agent = start_agent(tmp_path, env=env)
@@ -64,14 +65,15 @@ async def test_qp_forced_to_error_fails_pending_jobs_and_a_new_session_works(rdm
             async with await client.open_session(
                 transport="verbs", queue_depth=8, rdma_device=rdma_port.device
             ) as session:
-                src = await session.alloc(4 * MiB, readable=True)
-                dst = await session.alloc(4 * MiB, writable=True)
+                src = await session.alloc(32 * MiB, readable=True)  # 8,192 chunks a job
+                dst = await session.alloc(32 * MiB, writable=True)
                 jobs = [await session.submit_copy(src, dst) for _ in range(6)]
                 jobs += [await session.submit_rpc("copy", src, dst) for _ in range(2)]
-                assert not any(job.done() for job in jobs), "the jobs finished too soon"
+                pending = [job for job in jobs if not job.done()]
+                assert pending, "every job finished before the QP broke: make them slower"
                 _force_error_state(session)
 
-                outcomes = await asyncio.wait_for(asyncio.gather(*map(_outcome, jobs)), 120)
+                outcomes = await asyncio.wait_for(asyncio.gather(*map(_outcome, pending)), 120)
                 for outcome in outcomes:
                     assert isinstance(outcome, host_client.UnavailableError), outcome
                 assert session.failed

@@ -1,14 +1,15 @@
 """The event plane's wire format: topics, payloads, and the SDK parsing them back."""
 
-import dataclasses
 import json
+import types
 from typing import Any, cast
 
 import pytest
 
 from dpu_agent.dataplane.jobs import JobRecord, Origin
-from dpu_agent.dataplane.session import Session, SessionSettings, SessionState
-from dpu_agent.events import payloads
+from dpu_agent.dataplane.manager import ManagerSettings, SessionManager
+from dpu_agent.dataplane.session import SessionState
+from dpu_wire import events as payloads
 from dpu_wire.capsule import JobKind, Span, State
 from host_client import _events
 
@@ -42,24 +43,12 @@ def finished_job(
     if started:
         job.start()
         job.start_ns = T0 + 1_000
-    job.progress.bytes_read = 4096
-    job.progress.bytes_written = 4096 if kind == JobKind.COPY else 0
-    job.progress.result = result
-    completion = job.finish(state, code, message)
-    assert completion is not None
-    job.completion = dataclasses.replace(completion, end_ns=T0 + 2_000)
+    job.bytes_read = 4096
+    job.bytes_written = 4096 if kind == JobKind.COPY else 0
+    job.result = result
+    assert job.finish(state, code, message)
+    job.end_ns = T0 + 2_000
     return job
-
-
-def session(session_id="s-1a2b3c", tenant="default"):
-    return Session(
-        session_id,
-        tenant=tenant,
-        label="",
-        transport_kind=2,
-        transport=cast("Any", None),
-        settings=SessionSettings(),
-    )
 
 
 # ---------------------------------------------------------------------- topics
@@ -321,13 +310,21 @@ def test_telemetry_payload_and_its_parse():
     assert report.events == {"published": 5}
 
 
-def test_session_stats_sums_the_sessions():
-    a, b, c = session("s-a"), session("s-b"), session("s-c")
-    a.state = b.state = SessionState.ACTIVE
-    c.state = SessionState.FAILED
-    a.counters.jobs_submitted, a.counters.jobs_completed, a.counters.bytes_read = 5, 4, 100
-    b.counters.jobs_submitted, b.counters.jobs_failed, b.counters.bytes_written = 3, 1, 50
-    assert payloads.session_stats([a, b, c]) == {
+def test_session_telemetry_sums_the_sessions():
+    def fake(state, **counters):
+        c = types.SimpleNamespace(
+            jobs_submitted=0, jobs_completed=0, jobs_failed=0, bytes_read=0, bytes_written=0
+        )
+        vars(c).update(counters)
+        return types.SimpleNamespace(state=state, counters=c, open_jobs=0)
+
+    manager = SessionManager(ManagerSettings(), {}, reactor=cast("Any", None))
+    manager._sessions = {
+        "s-a": fake(SessionState.ACTIVE, jobs_submitted=5, jobs_completed=4, bytes_read=100),
+        "s-b": fake(SessionState.ACTIVE, jobs_submitted=3, jobs_failed=1, bytes_written=50),
+        "s-c": fake(SessionState.FAILED),
+    }
+    assert manager.telemetry() == {
         "sessions": 3,
         "sessions_by_state": {"ACTIVE": 2, "FAILED": 1},
         "open_jobs": 0,
@@ -337,4 +334,5 @@ def test_session_stats_sums_the_sessions():
         "bytes_read": 100,
         "bytes_written": 50,
     }
-    assert payloads.session_stats([])["sessions"] == 0
+    manager._sessions = {}
+    assert manager.telemetry()["sessions"] == 0

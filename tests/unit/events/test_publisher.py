@@ -1,12 +1,11 @@
 """The publisher's producer side and settings, without a broker."""
 
 import dataclasses
-from typing import Any, cast
+import types
 
 import pytest
 
 from dpu_agent.dataplane.jobs import JobRecord, Origin
-from dpu_agent.dataplane.session import Session, SessionSettings
 from dpu_agent.events import MqttEventPublisher, MqttSettings, TopicError
 from dpu_agent.events import publisher as publisher_module
 from dpu_wire.capsule import JobKind, Span, State
@@ -19,14 +18,8 @@ def finished_job(job_id):
 
 
 def session(tenant="default"):
-    return Session(
-        "s-1",
-        tenant=tenant,
-        label="",
-        transport_kind=2,
-        transport=cast("Any", None),
-        settings=SessionSettings(),
-    )
+    """What the publisher reads of a session: its tenant and id."""
+    return types.SimpleNamespace(tenant=tenant, session_id="s-1")
 
 
 def test_backlog_is_bounded_and_overflow_counted():

@@ -1,0 +1,273 @@
+"""Where a 4 KiB copy job's time goes: a per-hop timeline of both processes, same run.
+
+    python -m bench.hops [--transport verbs|tcp] [--jobs N]
+
+Starts an agent whose data-plane methods are wrapped to stamp `time.perf_counter_ns()`
+(CLOCK_MONOTONIC, comparable across processes on one machine), runs N sequential copy
+jobs from an SDK session wrapped the same way, and prints the median and p90 of each
+hop:
+
+    host   submit     the SDK encodes the SUBMIT and posts it        H0 -> H1
+    wire   capsule    until the agent's reactor hands it over        H1 -> A0
+    agent  admit      decode, admission, staging, READ posted        A0 -> A1
+    wire   READ       the RDMA READ of 4 KiB, until its completion   A1 -> A2
+    agent  complete   WRITE and COMPLETION posted                    A2 -> A3
+    wire   completion until the SDK's link hands the capsule over    A3 -> H2
+    host   wake       the awaiting task runs again                   H2 -> H3
+
+Nothing here changes the product: the wrappers are installed by this module only
+(each costs a Python call and a clock read, a few microseconds under TCG, counted in
+the hops they wrap). Needs an RDMA device for verbs: run it in the test VM
+(`python3 deploy/testvm/testvm.py run -- .venv/bin/python -m bench.hops`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Final
+
+STAMPS_ENV: Final = "DPU_HOPS_FILE"
+HOPS: Final = (
+    ("host", "submit", "H0", "H1"),
+    ("wire", "capsule", "H1", "A0"),
+    ("agent", "admit", "A0", "A1"),
+    ("wire", "READ", "A1", "A2"),
+    ("agent", "complete", "A2", "A3"),
+    ("wire", "completion", "A3", "H2"),
+    ("host", "wake", "H2", "H3"),
+)
+
+_stamps: list[tuple[str, int]] = []
+
+
+def _stamp(name: str) -> None:
+    _stamps.append((name, time.perf_counter_ns()))
+
+
+def _wrap(cls: Any, method: str, before: str | None, after: str | None) -> None:  # noqa: ANN401
+    original = getattr(cls, method)
+
+    def wrapped(self: object, *args: object, **kwargs: object) -> object:
+        if before is not None:
+            _stamp(before)
+        result = original(self, *args, **kwargs)
+        if after is not None:
+            _stamp(after)
+        return result
+
+    setattr(cls, method, wrapped)
+
+
+def _accumulate(cls: Any, method: str, key: str) -> None:  # noqa: ANN401
+    """Stamp the time spent inside `method` as (key, ns) entries."""
+    original = getattr(cls, method)
+
+    def wrapped(self: object, *args: object, **kwargs: object) -> object:
+        start = time.perf_counter_ns()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _stamps.append((key, time.perf_counter_ns() - start))
+
+    setattr(cls, method, wrapped)
+
+
+def _install_verbs_timers() -> None:
+    try:
+        from dpu_wire.transport.verbs import _QueuePair  # noqa: PLC0415
+    except ImportError:
+        return
+    _accumulate(_QueuePair, "_post", "post")
+    _accumulate(_QueuePair, "_poll_recv", "recv")
+    _accumulate(_QueuePair, "poll_sends", "sends")
+
+
+def _install_agent() -> None:
+    from dpu_agent.dataplane.pipeline import Pipeline  # noqa: PLC0415
+    from dpu_wire.transport import tcp  # noqa: PLC0415
+
+    links: list[Any] = [tcp.TcpAgentLink]
+    try:
+        from dpu_wire.transport.verbs import VerbsAgentLink  # noqa: PLC0415
+
+        links.append(VerbsAgentLink)
+    except ImportError:
+        pass
+    _install_verbs_timers()
+    _wrap(Pipeline, "on_capsule", "A0", None)
+    _wrap(Pipeline, "_perform", "Ap", None)
+    _wrap(Pipeline, "on_done", "A2", None)
+    for link in links:
+        _wrap(link, "post_read", None, "A1")
+        _wrap(link, "post_send", None, "A3")
+
+
+def _install_host() -> None:
+    from dpu_wire.transport import tcp  # noqa: PLC0415
+    from host_client._session import Session  # noqa: PLC0415
+
+    links: list[Any] = [tcp.TcpHostLink]
+    try:
+        from dpu_wire.transport.verbs import VerbsHostLink  # noqa: PLC0415
+
+        links.append(VerbsHostLink)
+    except ImportError:
+        pass
+    _install_verbs_timers()
+    for link in links:
+        _wrap(link, "send", None, "H1")
+    _wrap(Session, "_on_capsule", "H2", None)
+
+
+def _dump(path: str) -> None:
+    Path(path).write_text(json.dumps(_stamps))
+
+
+def agent_main() -> None:
+    """The agent, wrapped (run as `python -m bench.hops agent ARGS...`)."""
+    _install_agent()
+    atexit.register(_dump, os.environ[STAMPS_ENV])
+    from dpu_agent.cli import main  # noqa: PLC0415
+
+    sys.argv = ["dpu-agent", *sys.argv[2:]]
+    code = main()
+    _dump(os.environ[STAMPS_ENV])
+    raise SystemExit(code)
+
+
+async def _client(target: str, transport: str, jobs: int) -> None:
+    import host_client  # noqa: PLC0415
+
+    async with (
+        host_client.Client(target, timeout=60) as client,
+        await client.open_session(transport=transport, queue_depth=4) as session,
+    ):
+        src = await session.alloc(4096, readable=True)
+        dst = await session.alloc(4096, writable=True)
+        request = session.copy_request(src, dst)
+        for _ in range(50):  # warm up
+            await (await session.submit(request))
+        _stamps.clear()
+        for _ in range(jobs):
+            _stamp("H0")
+            job = await session.submit(request)
+            await job
+            _stamp("H3")
+
+
+_TIMERS: Final = ("post", "recv", "sends")
+
+
+def _jobs(stamps: list[tuple[str, int]], names: tuple[str, ...]) -> list[dict[str, int]]:
+    """Group a process's stamps into jobs: each job starts at `names[0]`.
+
+    The time spent in the timed verbs calls is summed per job (keys in `_TIMERS`,
+    counted only between the job's first and last stamp).
+    """
+    jobs: list[dict[str, int]] = []
+    for name, ns in stamps:
+        if name == names[0]:
+            jobs.append(dict.fromkeys(_TIMERS, 0))
+        if not jobs:
+            continue
+        job = jobs[-1]
+        if name in _TIMERS:
+            if names[-1] not in job:
+                job[name] += ns
+        elif name in names and name not in job:
+            job[name] = ns
+    return [job for job in jobs if all(n in job for n in names)]
+
+
+def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Per-hop median and p90 in microseconds over the jobs both sides recorded whole."""
+    host_jobs = [
+        {f"host {k}" if k in _TIMERS else k: v for k, v in job.items()}
+        for job in _jobs(host, ("H0", "H1", "H2", "H3"))
+    ]
+    agent_jobs = [
+        {f"agent {k}" if k in _TIMERS else k: v for k, v in job.items()}
+        for job in _jobs(agent, ("A0", "Ap", "A1", "A2", "A3"))
+    ]
+    # agent jobs after the warm-up: match each host job to the agent job inside it
+    merged: list[dict[str, int]] = []
+    index = 0
+    for job in host_jobs:
+        while index < len(agent_jobs) and agent_jobs[index]["A0"] < job["H1"]:
+            index += 1
+        if index < len(agent_jobs) and agent_jobs[index]["A3"] < job["H2"]:
+            merged.append({**job, **agent_jobs[index]})
+            index += 1
+    rows = []
+    spans = [*HOPS, ("total", "job", "H0", "H3")]
+    spans += [("agent", "admit (Python)", "A0", "Ap"), ("agent", "post READ", "Ap", "A1")]
+    for side in ("host", "agent"):
+        spans += [(side, f"in {k}", f"{side} {k}", "") for k in _TIMERS]
+    for side, hop, start, end in spans:
+        values = sorted(((job[end] - job[start]) if end else job[start]) / 1000 for job in merged)
+        rows.append(
+            {
+                "side": side,
+                "hop": hop,
+                "p50_us": round(statistics.median(values), 1),
+                "p90_us": round(values[int(len(values) * 0.9)], 1),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    """Start the wrapped agent, run the wrapped client, print the hops."""
+    if len(sys.argv) > 1 and sys.argv[1] == "agent":
+        agent_main()
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transport", default="verbs", choices=("verbs", "tcp"))
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--poll-mode", default="adaptive")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        ready = Path(tmp) / "ready"
+        stamps = Path(tmp) / "agent.json"
+        env = {
+            **os.environ,
+            STAMPS_ENV: str(stamps),
+            "DPU_AGENT_STORAGE_DIR": f"{tmp}/volumes",
+            "DPU_AGENT_TLS_PLAINTEXT_LOOPBACK": "1",
+            "DPU_AGENT_TRANSPORTS": args.transport,
+            "DPU_AGENT_POLL_MODE": args.poll_mode,
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.hops", "agent", "serve", "--listen", "127.0.0.1:0",
+             "--ready-file", str(ready), "--log-level", "warning"],
+            env=env,
+        )  # fmt: skip
+        try:
+            while not ready.exists():
+                if proc.poll() is not None:
+                    raise SystemExit("the agent exited before it was ready")
+                time.sleep(0.05)
+            _install_host()
+            asyncio.run(_client(ready.read_text().strip(), args.transport, args.jobs))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        rows = report(list(_stamps), [tuple(s) for s in json.loads(stamps.read_text())])
+    for row in rows:
+        side, hop, p50, p90 = row["side"], row["hop"], row["p50_us"], row["p90_us"]
+        print(f"{side:<6} {hop:<15} p50 {p50:8.1f} us   p90 {p90:8.1f} us")
+    print(json.dumps({"transport": args.transport, "hops": rows}))
+
+
+if __name__ == "__main__":
+    main()

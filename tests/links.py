@@ -1,0 +1,216 @@
+"""Test harness: both ends of a data-plane link, driven as the agent and the SDK drive them.
+
+`AgentEnd` puts an `AgentLink` on a real `Reactor` thread (the agent's data-plane loop)
+and gives a test awaitable operations: `read`, `write` and `send` post on the reactor
+and resolve when the link reports the token done; `recv` returns the capsules the link
+delivered. `HostEnd` starts a `HostLink` on the test's event loop and queues what it
+receives. `tcp_pair()` and `verbs_pair()` make a connected pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+from typing import TYPE_CHECKING
+
+from dpu_agent.dataplane.reactor import Reactor
+from dpu_wire.capsule import MAX_CAPSULE
+from dpu_wire.transport import tcp
+from dpu_wire.transport.base import LinkSink, TransportError
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from dpu_wire.transport.base import AgentLink, HostLink, Region
+
+
+class AgentEnd(LinkSink):
+    """An agent link on a reactor, with awaitable operations for tests."""
+
+    def __init__(self, link: AgentLink, reactor: Reactor) -> None:
+        self.link = link
+        self.reactor = reactor
+        self._loop = asyncio.get_running_loop()
+        self._tokens = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[None]] = {}
+        self.capsules: asyncio.Queue[bytes | TransportError] = asyncio.Queue()
+        self.failed: TransportError | None = None
+        self._sends: collections.deque[tuple[bytes, int]] = collections.deque()
+
+    # LinkOwner (reactor thread)
+    @property
+    def sink(self) -> LinkSink:
+        return self
+
+    def end_pass(self) -> None:
+        while self._sends and self.link.room() and self.link.error is None:
+            capsule, token = self._sends.popleft()
+            self.link.post_send(capsule, token)
+            self.reactor.wake(self.link)
+        self.link.flush()
+
+    def link_failed(self) -> None:
+        if self.failed is None and self.link.error is not None:
+            self.failed = self.link.error
+            self._loop.call_soon_threadsafe(self.capsules.put_nowait, self.link.error)
+
+    # LinkSink (reactor thread)
+    def on_capsule(self, data: memoryview) -> None:
+        self._loop.call_soon_threadsafe(self.capsules.put_nowait, bytes(data))
+
+    def on_done(self, token: int, error: TransportError | None) -> None:
+        future = self._waiting.pop(token, None)
+        if future is not None:
+            self._loop.call_soon_threadsafe(_settle, future, error)
+
+    # the test's side
+    async def start(self) -> None:
+        await self.reactor.call_async(lambda: self.reactor.add(self.link, self))
+
+    async def _op(self, post: object) -> None:
+        token = next(self._tokens)
+        future = self._loop.create_future()
+        self._waiting[token] = future
+
+        def run() -> None:
+            try:
+                post(token)  # type: ignore[operator]
+            except Exception as exc:  # noqa: BLE001 - handed to the test
+                self._waiting.pop(token, None)
+                self._loop.call_soon_threadsafe(_settle, future, exc)
+                return
+            self.reactor.wake(self.link)
+
+        self.reactor.call(run)
+        await future
+
+    async def read(self, local: Region, offset: int, length: int, addr: int, rkey: int) -> None:
+        """RDMA READ into `local[offset:]`; raises the link's error."""
+        await self._op(lambda t: self.link.post_read(local, offset, length, addr, rkey, t))
+
+    async def write(self, local: Region, offset: int, length: int, addr: int, rkey: int) -> None:
+        """RDMA WRITE from `local[offset:]`; raises the link's error."""
+        await self._op(lambda t: self.link.post_write(local, offset, length, addr, rkey, t))
+
+    async def send(self, capsule: bytes) -> None:
+        """SEND a capsule (queued while the send ring is full); returns once it is done."""
+
+        def post(token: int) -> None:
+            if self._sends or not self.link.room():
+                if len(capsule) > MAX_CAPSULE:
+                    raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
+                self._sends.append((capsule, token))
+            else:
+                self.link.post_send(capsule, token)
+
+        await self._op(post)
+
+    async def recv(self) -> bytes:
+        """The next capsule; the link's error once it failed."""
+        item = await self.capsules.get()
+        if isinstance(item, TransportError):
+            self.capsules.put_nowait(item)
+            raise item
+        return item
+
+    def staging(self, length: int) -> Region:
+        """A staging region of the link."""
+        return self.link.staging(length)
+
+    async def close(self) -> None:
+        """Take the link off the reactor and close it."""
+
+        def run() -> None:
+            self.reactor.remove(self.link)
+            self.link.close()
+
+        await self.reactor.call_async(run)
+        for future in self._waiting.values():
+            _settle(future, TransportError("closed"))
+
+
+class HostEnd:
+    """A host link started on this loop, queueing what it receives."""
+
+    def __init__(self, link: HostLink) -> None:
+        self.link = link
+        self.capsules: asyncio.Queue[bytes | TransportError] = asyncio.Queue()
+        self.expecting = False
+
+    def start(self) -> None:
+        self.link.start(self._capsule, self._failure, lambda: self.expecting)
+
+    def _capsule(self, data: memoryview) -> None:
+        self.capsules.put_nowait(bytes(data))
+
+    def _failure(self, error: TransportError) -> None:
+        self.capsules.put_nowait(error)
+
+    def send(self, capsule: bytes) -> None:
+        self.link.send([capsule])
+
+    async def recv(self) -> bytes:
+        self.expecting = True
+        try:
+            item = await self.capsules.get()
+        finally:
+            self.expecting = False
+        if isinstance(item, TransportError):
+            self.capsules.put_nowait(item)
+            raise item
+        return item
+
+    async def close(self) -> None:
+        await self.link.close()
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+@contextlib.asynccontextmanager
+async def reactor(spin: float = 0.002) -> AsyncIterator[Reactor]:
+    """A started reactor, stopped afterwards."""
+    r = Reactor(spin=spin)
+    r.start()
+    try:
+        yield r
+    finally:
+        await asyncio.to_thread(r.stop)
+
+
+async def tcp_pair(r: Reactor) -> tuple[HostEnd, AgentEnd]:
+    """A connected tcp host link and agent link (the agent's on `r`)."""
+    host = tcp.TcpHostLink()
+    host.listen()
+    sock, token = await tcp.dial(host.address)
+    agent = AgentEnd(tcp.TcpAgentLink(sock, token), r)
+    await host.connect(agent.link.address)
+    host_end = HostEnd(host)
+    host_end.start()
+    await agent.start()
+    return host_end, agent
+
+
+async def verbs_pair(
+    r: Reactor, spin: float = 0.002, queue_depth: int = 32, **where: object
+) -> tuple[HostEnd, AgentEnd]:
+    """A connected verbs host and agent link (`where`: device, port, gid_index)."""
+    from dpu_wire.transport.verbs import VerbsAgentLink, VerbsHostLink  # noqa: PLC0415
+
+    host = VerbsHostLink(queue_depth=queue_depth, spin=max(spin, 0.0), **where)  # type: ignore[arg-type]
+    agent_link = VerbsAgentLink(queue_depth=queue_depth, **where)  # type: ignore[arg-type]
+    agent_link.connect(host.address)
+    await host.connect(agent_link.address)
+    host_end = HostEnd(host)
+    host_end.start()
+    agent = AgentEnd(agent_link, r)
+    await agent.start()
+    return host_end, agent
