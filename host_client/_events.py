@@ -1,6 +1,6 @@
 """Agent events from the MQTT broker: job completions, agent status, telemetry.
 
-The agent publishes to a broker (see `dpu_agent.events.payloads` for the topics and
+The agent publishes to a broker (see `dpu_wire.events` for the topics and
 JSON); an `EventSubscriber` connects to the same broker and parses what arrives:
 
     async with EventSubscriber("broker.lab", 1883) as events:
