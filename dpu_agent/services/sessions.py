@@ -8,10 +8,11 @@ volumes of its own tenant.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth
 from dpu_agent.dataplane.regions import AdvertisedRegion
+from dpu_agent.errors import InvalidArgument
 from dpu_agent.services import convert
 from dpu_wire import names
 from dpu_wire.v1 import session_pb2, session_pb2_grpc
@@ -21,6 +22,26 @@ if TYPE_CHECKING:
 
     from dpu_agent.dataplane.manager import SessionManager
     from dpu_agent.dataplane.session import Session
+
+
+MAX_LABEL_LENGTH: Final = 128
+
+
+def client_label(text: str) -> str:
+    """The OpenSession label if it is short and printable; InvalidArgument otherwise.
+
+    It is shown to people (logs, `dpuctl session list`), so no control characters or
+    line breaks that could forge a log line or a terminal's output.
+    """
+    if len(text) > MAX_LABEL_LENGTH:
+        raise InvalidArgument(
+            f"client_label: {len(text)} characters long (at most {MAX_LABEL_LENGTH})"
+        )
+    if not text.isprintable():
+        raise InvalidArgument(
+            "client_label: only printable characters (no control characters or line breaks)"
+        )
+    return text
 
 
 def owned_session(manager: SessionManager, name: str) -> Session:
@@ -44,7 +65,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
             tenant=auth.tenant(),
             transport=request.transport,
             queue_depth=request.queue_depth,
-            label=request.client_label,
+            label=client_label(request.client_label),
             host=convert.peer_address(request.host_endpoint),
             request_id=request.request_id,
         )
