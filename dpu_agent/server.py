@@ -23,7 +23,8 @@ from dpu_agent.errors import AgentError
 from dpu_agent.events import MqttEventPublisher, MqttSettings
 from dpu_agent.events.payloads import session_stats
 from dpu_agent.interceptor import RpcInterceptor
-from dpu_agent.metrics import AgentMetrics, MetricsServer
+from dpu_agent.metrics import AgentMetrics
+from dpu_agent.metrics_http import MetricsServer
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
