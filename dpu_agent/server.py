@@ -329,7 +329,7 @@ class AgentServer:
         )
         if self.flows is not None:
             network_pb2_grpc.add_NetworkServiceServicer_to_server(
-                NetworkService(self.flows, quotas), server
+                NetworkService(self.flows, quotas, owners=self.functions), server
             )
         if self.functions is not None:
             virtualization_pb2_grpc.add_VirtualizationServiceServicer_to_server(

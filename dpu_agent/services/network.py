@@ -1,10 +1,12 @@
 """NetworkService: ports and flow rules (a thin gRPC layer over the flow table).
 
-Ports are agent-wide: listing them needs the admin role, and so does a rule whose
-ingress port is an uplink (it would see every tenant's traffic). A flow rule belongs
-to the tenant that created it (kept in the rule store); another tenant's rule answers
-NOT_FOUND exactly as a missing one does, and admins see all. `[quota] max_flow_rules`
-bounds the rules of a tenant.
+Ports are agent-wide: listing them needs the admin role. Which ports a rule may name
+(its ingress port, and the targets of its forwards and mirrors) depends on who calls
+(`dpu_agent.network.access`): a function's representor only by the function's tenant,
+an uplink as ingress only by an admin; another tenant's port answers NOT_FOUND exactly
+as a missing one does. A flow rule belongs to the tenant that created it (kept in the
+rule store); another tenant's rule answers NOT_FOUND exactly as a missing one does,
+and admins see all. `[quota] max_flow_rules` bounds the rules of a tenant.
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ from typing import TYPE_CHECKING, Any, Final
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument
 from dpu_agent.network import model
+from dpu_agent.network.access import check_rule_ports
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_wire import names
 from dpu_wire.v1 import network_pb2, network_pb2_grpc
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Mapping
 
     import grpc
 
+    from dpu_agent.auth import Principal
+    from dpu_agent.network.access import PortOwners
     from dpu_agent.network.table import FlowTable
 
 MIN_INTERVAL_MS: Final = 100
@@ -221,10 +226,37 @@ def port_to(p: model.PortInfo) -> network_pb2.Port:
 class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     """Ports and flow rules; the table does the work in a thread."""
 
-    def __init__(self, table: FlowTable, quotas: Quotas | None = None) -> None:
+    def __init__(
+        self, table: FlowTable, quotas: Quotas | None = None, owners: PortOwners | None = None
+    ) -> None:
         self._table = table
         self._quotas = quotas or Quotas()
+        self._owners = owners  # None: the agent manages no functions
         self._creating = asyncio.Lock()  # the quota check and the create hold together
+
+    def _checked(
+        self, rule: model.FlowRule, principal: Principal, *, replace: bool
+    ) -> model.FlowRule:
+        """Create (or replace) the rule if the caller may name its ports. In a thread.
+
+        Port ownership is held still from the check until the rule is in the table, so
+        a function cannot be deleted (and its port change hands) in between.
+        """
+        if self._owners is None:
+            return self._apply(rule, principal, None, replace=replace)
+        with self._owners.port_owners() as owners:
+            return self._apply(rule, principal, owners, replace=replace)
+
+    def _apply(
+        self,
+        rule: model.FlowRule,
+        principal: Principal,
+        owners: Mapping[str, str] | None,
+        *,
+        replace: bool,
+    ) -> model.FlowRule:
+        check_rule_ports(rule, principal, {p.name for p in self._table.ports()}, owners)
+        return self._table.update(rule) if replace else self._table.create(rule)
 
     async def _owned(self, rule_id: str) -> model.FlowRule:
         """The rule, if the caller may see it; NotFound as for a missing one otherwise."""
@@ -257,14 +289,13 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> network_pb2.FlowRule:
         """Validate, program and save a rule, owned by the caller's tenant."""
-        tenant = auth.tenant()
+        principal = auth.current_principal()
+        tenant = principal.tenant
         rule = rule_from(request.flow_rule_id, request.flow_rule, tenant)
-        if model.port_kind(rule.ingress_port) == model.PortKind.UPLINK:
-            auth.require_admin(f"a rule on uplink port {rule.ingress_port}")
         async with self._creating:
             owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
             self._quotas.check_flow_rules(tenant, owned + 1)
-            created = await asyncio.to_thread(self._table.create, rule)
+            created = await asyncio.to_thread(self._checked, rule, principal, replace=False)
         return rule_to(created)
 
     async def GetFlowRule(
@@ -313,7 +344,8 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             offload=_OFFLOAD_IN[incoming.offload] if "offload" in paths else old.offload,
             tenant=old.tenant,
         )
-        return rule_to(await asyncio.to_thread(self._table.update, new))
+        principal = auth.current_principal()
+        return rule_to(await asyncio.to_thread(self._checked, new, principal, replace=True))
 
     async def DeleteFlowRule(
         self,
