@@ -18,7 +18,9 @@ Example file (every key optional):
     poll_mode = "event"           # event (completion channel) or busy (poll the CQ)
     queue_depth = 32              # default jobs in flight per session (1-1024)
     max_sessions = 64             # sessions the agent serves at once
+    max_sessions_per_connection = 8   # sessions one client connection (gRPC peer) holds
     orphan_timeout = 10.0         # seconds a session lives after its last watcher left
+    first_watch_timeout = 5.0     # seconds a new session lives if no host ever watches it
     chunk_size = 1048576          # bytes moved per RDMA op and staging buffer
 
     [storage]
@@ -71,7 +73,7 @@ Example file (every key optional):
     [quota]                       # per tenant; 0 = no limit
     max_volumes = 0
     max_volume_bytes = 0          # total size of the tenant's volumes
-    max_sessions = 0
+    max_sessions = 16             # open sessions of a tenant (on by default)
     max_queue_depth = 0           # jobs in flight over all the tenant's sessions
     max_flow_rules = 0
 
@@ -127,7 +129,9 @@ class AgentConfig:
     poll_mode: str = "event"
     queue_depth: int = 32
     max_sessions: int = 64
+    max_sessions_per_connection: int = 8
     orphan_timeout: float = 10.0
+    first_watch_timeout: float = 5.0
     chunk_size: int = 1 << 20
     storage_backend: str = "file"
     storage_dir: str = ""
@@ -160,7 +164,7 @@ class AgentConfig:
     auth_tokens_file: str = ""
     quota_max_volumes: int = 0
     quota_max_volume_bytes: int = 0
-    quota_max_sessions: int = 0
+    quota_max_sessions: int = 16
     quota_max_queue_depth: int = 0
     quota_max_flow_rules: int = 0
 
@@ -365,11 +369,27 @@ SETTINGS: Final = (
     ),
     Setting(
         "dataplane",
+        "max_sessions_per_connection",
+        "max_sessions_per_connection",
+        "DPU_AGENT_MAX_SESSIONS_PER_CONNECTION",
+        _integer(1, 4096),
+        "sessions one client connection may hold",
+    ),
+    Setting(
+        "dataplane",
         "orphan_timeout",
         "orphan_timeout",
         "DPU_AGENT_ORPHAN_TIMEOUT",
         _seconds(0.5, 3600),
         "seconds a session lives after its last watcher left",
+    ),
+    Setting(
+        "dataplane",
+        "first_watch_timeout",
+        "first_watch_timeout",
+        "DPU_AGENT_FIRST_WATCH_TIMEOUT",
+        _seconds(0.5, 3600),
+        "seconds a new session lives without ever being watched",
     ),
     Setting(
         "dataplane",

@@ -239,8 +239,10 @@ class AgentServer:
         self.sessions = SessionManager(
             ManagerSettings(
                 max_sessions=cfg.max_sessions,
+                max_sessions_per_connection=cfg.max_sessions_per_connection,
                 default_queue_depth=cfg.queue_depth,
                 orphan_timeout=cfg.orphan_timeout,
+                first_watch_timeout=cfg.first_watch_timeout,
                 chunk_size=cfg.chunk_size,
             ),
             transports.factories(cfg, devices),

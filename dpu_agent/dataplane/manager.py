@@ -1,13 +1,19 @@
 """All sessions of the agent: open, find, list, close, and reap the orphaned ones.
 
 A session stays alive while its host watches it (a WatchCompletions stream, which
-the SDK keeps open for the session's life). When the last stream ends (host gone,
-network cut) and none comes back within `orphan_timeout`, the session is closed:
-its queue pair is destroyed and its regions forgotten.
+the SDK opens right after OpenSession and keeps open for the session's life). When
+the last stream ends (host gone, network cut) and none comes back within
+`orphan_timeout`, the session is closed: its queue pair is destroyed and its regions
+forgotten. A session that no stream ever watched lives `first_watch_timeout` (or
+`orphan_timeout` if that is shorter), so a client cannot hold slots by opening
+sessions it never uses.
 
 Each session belongs to the tenant that opened it; the services check ownership
-(`dpu_agent.auth`). Per tenant, `Quotas.max_sessions` bounds the open sessions and
-`Quotas.max_queue_depth` the sum of their queue depths (jobs in flight); sessions
+(`dpu_agent.auth`). Admission bounds, so no one client or tenant takes every slot:
+`max_sessions` for the agent, `Quotas.max_sessions` per tenant (16 by default) and
+`Quotas.max_queue_depth` for the sum of a tenant's queue depths (jobs in flight), and
+`max_sessions_per_connection` per client connection (the gRPC peer: one channel, so
+two programs of one tenant, or one program's two channels, count apart). Sessions
 being connected count, so concurrent opens cannot slip past a limit.
 """
 
@@ -56,11 +62,21 @@ class ManagerSettings:
     """Limits of the session manager."""
 
     max_sessions: int = 64
+    max_sessions_per_connection: int = 8
     max_queue_depth: int = 1024
     default_queue_depth: int = 32
-    orphan_timeout: float = 10.0
+    orphan_timeout: float = 10.0  # after the last watcher left
+    first_watch_timeout: float = 5.0  # for a session no watcher ever came to
     chunk_size: int = 1 << 20
     default_deadline: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Admitted:
+    """What the manager keeps about how a session came in."""
+
+    connection: str  # the gRPC peer that opened it
+    unwatched_at_open: float | None  # Session.unwatched_since then; equal: never watched
 
 
 class SessionManager:
@@ -85,7 +101,9 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         # (tenant, request_id) -> session id, for idempotent open; oldest forgotten first
         self._by_request: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
-        self._connecting: list[tuple[str, int]] = []  # (tenant, queue depth) being opened
+        # (tenant, queue depth, connection) of the sessions being opened
+        self._connecting: list[tuple[str, int, str]] = []
+        self._admitted: dict[str, _Admitted] = {}  # session id -> how it came in
         self._reaper: asyncio.Task[None] | None = None
         self._draining = False
 
@@ -119,6 +137,7 @@ class SessionManager:
         for _ in self._sessions:
             self._closed("shutdown")
         self._sessions.clear()
+        self._admitted.clear()
 
     async def open(  # noqa: PLR0913 - the OpenSession fields
         self,
@@ -129,8 +148,12 @@ class SessionManager:
         label: str,
         host: PeerAddress | None,
         request_id: str = "",
+        connection: str = "",
     ) -> Session:
-        """Open a session and connect its data plane to the host."""
+        """Open a session and connect its data plane to the host.
+
+        `connection` names the client connection (the gRPC peer) it is opened over.
+        """
         if self._draining:
             raise Unavailable("the agent is shutting down and opens no sessions")
         remembered = (tenant, request_id)
@@ -151,15 +174,17 @@ class SessionManager:
                 f"the agent serves at most {self.settings.max_sessions} sessions"
             )
         held = [s.queue_depth for s in self._sessions.values() if s.tenant == tenant]
-        held += [d for t, d in self._connecting if t == tenant]
+        held += [d for t, d, _ in self._connecting if t == tenant]
         self._quotas.check_sessions(tenant, len(held) + 1, sum(held) + depth)
-        reservation = (tenant, depth)
+        self._check_connection(connection)
+        reservation = (tenant, depth, connection)
         self._connecting.append(reservation)
         try:
             session = await self._connect(tenant, kind, depth, label, host)
         finally:
             self._connecting.remove(reservation)
         self._sessions[session.session_id] = session
+        self._admitted[session.session_id] = _Admitted(connection, session.unwatched_since)
         if self._metrics is not None:
             self._metrics.session_opened(kind)
         if request_id:
@@ -177,6 +202,17 @@ class SessionManager:
             },
         )
         return session
+
+    def _check_connection(self, connection: str) -> None:
+        """ResourceExhausted if `connection` already holds its share of sessions."""
+        limit = self.settings.max_sessions_per_connection
+        held = sum(1 for a in self._admitted.values() if a.connection == connection)
+        held += sum(1 for _, _, c in self._connecting if c == connection)
+        if held >= limit:
+            raise ResourceExhausted(
+                f"this client connection holds {held} sessions, the most one connection "
+                f"may hold ([dataplane] max_sessions_per_connection = {limit})"
+            )
 
     async def _connect(
         self, tenant: str, kind: int, depth: int, label: str, host: PeerAddress
@@ -244,27 +280,37 @@ class SessionManager:
         """Close and forget a session."""
         session = self.get(name)
         await session.close()
-        if self._sessions.pop(session.session_id, None) is not None:
+        if self._forget(session):
             self._closed("closed")
         log.info("session closed", extra={"session": name})
 
     async def _reap(self) -> None:
+        orphan, first = self.settings.orphan_timeout, self.settings.first_watch_timeout
+        never_watched = min(orphan, first)
         while True:
-            await asyncio.sleep(min(1.0, self.settings.orphan_timeout / 2))
+            await asyncio.sleep(max(0.05, min(1.0, orphan / 2, never_watched / 2)))
             now = time.monotonic()
             for session in list(self._sessions.values()):
                 since = session.unwatched_since
                 failed = session.state == SessionState.FAILED
-                if since is not None and now - since > self.settings.orphan_timeout:
+                admitted = self._admitted.get(session.session_id)
+                never = admitted is not None and since == admitted.unwatched_at_open
+                if since is not None and now - since > (never_watched if never else orphan):
+                    why = "no host ever watched it" if never else "host gone: no watcher"
                     log.warning("closing orphaned session", extra={"session": session.name})
-                    await session.close("host gone: no watcher")
+                    await session.close(why)
                 elif failed and since is not None:
                     await session.close()
                 else:
                     continue
-                if self._sessions.pop(session.session_id, None) is not None:
+                if self._forget(session):
                     # a host that died closed its end of the link: orphaned too
                     self._closed("failed" if failed and not session.host_gone else "orphaned")
+
+    def _forget(self, session: Session) -> bool:
+        """Drop a closed session; False if it was gone already."""
+        self._admitted.pop(session.session_id, None)
+        return self._sessions.pop(session.session_id, None) is not None
 
     def sessions(self) -> list[Session]:
         """Every session."""

@@ -68,6 +68,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
             label=client_label(request.client_label),
             host=convert.peer_address(request.host_endpoint),
             request_id=request.request_id,
+            connection=context.peer() or "",
         )
         return convert.session(session)
 
