@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from google.protobuf import timestamp_pb2
@@ -13,6 +14,8 @@ from dpu_wire.transport.base import Access, PeerAddress, TcpAddress, VerbsAddres
 from dpu_wire.v1 import common_pb2, job_pb2, session_pb2
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from dpu_agent.dataplane.jobs import JobRecord
     from dpu_agent.dataplane.regions import AdvertisedRegion
     from dpu_agent.dataplane.session import Session
@@ -45,7 +48,11 @@ def resource_id(name: str, collection: str, what: str) -> str:
 
 def region_id(s: Session, name: str, what: str) -> str:
     """The id in "sessions/{session}/regions/{id}", which must be a region of `s`."""
-    owner, ident = parsed_name(name, what, "sessions", "regions")
+    prefix = f"{s.name}/regions/"
+    if name.startswith(prefix):  # the common case, without parsing the whole name
+        with contextlib.suppress(names.InvalidNameError):
+            return names.check_id(name[len(prefix) :])
+    owner, ident = parsed_name(name, what, "sessions", "regions")  # also says what is wrong
     if owner != s.session_id:
         raise InvalidArgument(f"{what}: {name} is not in {s.name}")
     return ident
@@ -99,7 +106,7 @@ ACCESS_FROM_PROTO = {
 }
 
 
-def access(values: list[int]) -> Access:
+def access(values: Iterable[int]) -> Access:
     """Access flags from the repeated RegionAccess field."""
     result = Access.NONE
     for value in values:

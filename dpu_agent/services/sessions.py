@@ -8,16 +8,19 @@ volumes of its own tenant.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+import asyncio
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from dpu_agent import auth
-from dpu_agent.dataplane.regions import AdvertisedRegion
-from dpu_agent.errors import InvalidArgument
+from dpu_agent.dataplane.regions import MAX_REGIONS_PER_SESSION, AdvertisedRegion
+from dpu_agent.errors import InvalidArgument, ResourceExhausted
 from dpu_agent.services import convert
 from dpu_wire import names
 from dpu_wire.v1 import session_pb2, session_pb2_grpc
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
     import grpc
 
     from dpu_agent.dataplane.manager import SessionManager
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
 
 
 MAX_LABEL_LENGTH: Final = 128
+REGIONS_PER_SLICE: Final = 128  # AdvertiseRegions yields to the event loop this often
+_T = TypeVar("_T")
 
 
 def client_label(text: str) -> str:
@@ -42,6 +47,14 @@ def client_label(text: str) -> str:
             "client_label: only printable characters (no control characters or line breaks)"
         )
     return text
+
+
+async def _sliced(items: Sequence[_T]) -> AsyncIterator[tuple[int, _T]]:
+    """(index, item) of `items`, yielding to the event loop every `REGIONS_PER_SLICE`."""
+    for index, item in enumerate(items):
+        if index and not index % REGIONS_PER_SLICE:
+            await asyncio.sleep(0)
+        yield index, item
 
 
 def owned_session(manager: SessionManager, name: str) -> Session:
@@ -103,17 +116,28 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         request: session_pb2.AdvertiseRegionsRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> session_pb2.AdvertiseRegionsResponse:
-        """Add host regions to the session, all or none."""
+        """Add host regions to the session, all or none.
+
+        The count is checked before any region is looked at (the interceptor already
+        bounded it to 1024), each region costs microseconds, and the work yields to the
+        event loop every `REGIONS_PER_SLICE` regions, so other calls are not held up.
+        """
         session = owned_session(self._manager, request.session)
+        room = session.regions.room
+        if len(request.regions) > room:
+            raise ResourceExhausted(
+                f"a session may advertise at most {MAX_REGIONS_PER_SESSION} regions: "
+                f"{session.name} has room for {room}, the request has {len(request.regions)}"
+            )
         new: list[AdvertisedRegion] = []
-        for index, message in enumerate(request.regions):
+        async for index, message in _sliced(request.regions):
             new.append(
                 AdvertisedRegion(
                     region_id=convert.region_id(session, message.name, f"regions[{index}].name"),
                     addr=message.addr,
                     length=message.length,
                     rkey=message.rkey,
-                    access=convert.access(list(message.access)),
+                    access=convert.access(message.access),
                 )
             )
         added: list[AdvertisedRegion] = []
@@ -126,7 +150,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
                 session.regions.remove(region.region_id)
             raise
         return session_pb2.AdvertiseRegionsResponse(
-            regions=[convert.region(session, r) for r in added]
+            regions=[convert.region(session, r) async for _, r in _sliced(added)]
         )
 
     async def AttachVolume(
