@@ -12,11 +12,12 @@ and admins see all. `[quota] max_flow_rules` bounds the rules of a tenant.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
-from dpu_agent.errors import InvalidArgument
+from dpu_agent.errors import InvalidArgument, ResourceExhausted
 from dpu_agent.network import model
 from dpu_agent.network.access import check_rule_ports
 from dpu_agent.quota import Quotas
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
     from dpu_agent.network.table import FlowTable
 
 MIN_INTERVAL_MS: Final = 100
+MS_PER_WATCHED_RULE: Final = 10  # a watch of n rules updates at most every 10 n ms
 MAX_WATCHED_RULES: Final = 1000
+MAX_WATCHES_PER_TENANT: Final = 16  # concurrent WatchFlowCounters streams
 _KINDS: Final = {
     model.PortKind.UPLINK: network_pb2.PORT_KIND_UPLINK,
     model.PortKind.REPRESENTOR: network_pb2.PORT_KIND_REPRESENTOR,
@@ -233,6 +236,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         self._quotas = quotas or Quotas()
         self._owners = owners  # None: the agent manages no functions
         self._creating = asyncio.Lock()  # the quota check and the create hold together
+        self._watches: collections.Counter[str] = collections.Counter()  # tenant -> streams
 
     def _checked(
         self, rule: model.FlowRule, principal: Principal, *, replace: bool
@@ -257,6 +261,10 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     ) -> model.FlowRule:
         check_rule_ports(rule, principal, {p.name for p in self._table.ports()}, owners)
         return self._table.update(rule) if replace else self._table.create(rule)
+
+    def _counters(self, rule_ids: list[str]) -> list[model.RuleCounters]:
+        """Every rule's counters, in one trip to a worker thread."""
+        return [self._table.counters(rule_id) for rule_id in rule_ids]
 
     async def _owned(self, rule_id: str) -> model.FlowRule:
         """The rule, if the caller may see it; NotFound as for a missing one otherwise."""
@@ -363,21 +371,38 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         request: network_pb2.WatchFlowCountersRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[network_pb2.FlowCounterUpdate]:
-        """The selected rules' counters (default: the caller's) every interval, until it goes."""
+        """The selected rules' counters (default: the caller's) every interval, until it goes.
+
+        A tenant holds at most `MAX_WATCHES_PER_TENANT` watches; each round reads every
+        counter in one trip to a worker thread, and rounds are at least
+        `MIN_INTERVAL_MS` and `MS_PER_WATCHED_RULE` per rule apart, so watches cost the
+        event loop a bounded number of updates a second.
+        """
         if len(request.names) > MAX_WATCHED_RULES:
             raise InvalidArgument(f"names: at most {MAX_WATCHED_RULES} rules per watch")
         principal = auth.current_principal()
         wanted = [resource_id(n, "flowRules", f"names[{i}]") for i, n in enumerate(request.names)]
         for rule_id in wanted:
             await self._owned(rule_id)
-        interval = max(request.interval_ms or 1000, MIN_INTERVAL_MS) / 1000
-        await context.send_initial_metadata(())
-        while True:
-            visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
-            ids = wanted or visible[:MAX_WATCHED_RULES]
-            for rule_id in ids:
-                counters = await asyncio.to_thread(self._table.counters, rule_id)
-                yield network_pb2.FlowCounterUpdate(
-                    name=f"flowRules/{rule_id}", counters=counters_to(counters)
+        if self._watches[principal.tenant] >= MAX_WATCHES_PER_TENANT:
+            raise ResourceExhausted(
+                f"tenant {principal.tenant!r} already watches flow counters on "
+                f"{MAX_WATCHES_PER_TENANT} streams"
+            )
+        self._watches[principal.tenant] += 1
+        try:
+            await context.send_initial_metadata(())
+            while True:
+                visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
+                ids = wanted or visible[:MAX_WATCHED_RULES]
+                counters = await asyncio.to_thread(self._counters, ids)
+                for rule_id, counted in zip(ids, counters, strict=True):
+                    yield network_pb2.FlowCounterUpdate(
+                        name=f"flowRules/{rule_id}", counters=counters_to(counted)
+                    )
+                interval_ms = max(
+                    request.interval_ms or 1000, MIN_INTERVAL_MS, MS_PER_WATCHED_RULE * len(ids)
                 )
-            await asyncio.sleep(interval)
+                await asyncio.sleep(interval_ms / 1000)
+        finally:
+            self._watches[principal.tenant] -= 1
