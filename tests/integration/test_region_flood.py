@@ -24,7 +24,6 @@ import pytest
 
 import host_client
 from dpu_agent.dataplane.regions import MAX_REGIONS_PER_SESSION
-from dpu_agent.validation import MAX_REQUEST_BYTES
 from dpu_wire.v1 import agent_pb2, agent_pb2_grpc, session_pb2
 from tests.integration.conftest import start_agent
 
@@ -74,9 +73,9 @@ async def test_a_region_flood_does_not_block_other_clients(tmp_path):
         async with host_client.Client(agent.address) as owner:
             session = await owner.open_session(transport="tcp")
             payloads = [flood_request(session.name, count) for count in REGIONS]
-            assert len(payloads[0]) > 3_000_000
-            assert MAX_REQUEST_BYTES[ADVERTISE] < len(payloads[1]) < 1 << 20
-            assert len(payloads[2]) <= MAX_REQUEST_BYTES[ADVERTISE]
+            assert len(payloads[0]) > 3_000_000  # over gRPC's 1 MiB
+            assert 320 << 10 < len(payloads[1]) < 1 << 20  # over AdvertiseRegions' 320 KiB
+            assert len(payloads[2]) <= 320 << 10  # parsed
             probe = grpc.aio.insecure_channel(agent.address, options=LOCAL_POOL)
             channels.append(probe)
             stub: agent_pb2_grpc.AgentServiceAsyncStub = agent_pb2_grpc.AgentServiceStub(probe)

@@ -29,9 +29,9 @@ from tests.integration.pki import LabPki, make_pki
 if TYPE_CHECKING:
     from tests.integration.conftest import AgentProcess
 
-pytestmark = pytest.mark.asyncio
-DEFAULTS = AgentConfig()
-ATTEMPTS = DEFAULTS.max_sessions + 6  # on main the greedy client got every one of the 64
+# the defaults (test_the_defaults_are_these ties them to AgentConfig)
+MAX_SESSIONS, PER_CONNECTION, PER_TENANT, FIRST_WATCH_TIMEOUT = 64, 8, 16, 5.0
+ATTEMPTS = MAX_SESSIONS + 6  # before the fix the greedy client got every one of the 64
 
 
 class Greedy:
@@ -105,13 +105,22 @@ async def works(client: host_client.Client) -> host_client.Session:
     return session
 
 
+def test_the_defaults_are_these():
+    defaults = AgentConfig()
+    assert defaults.max_sessions == MAX_SESSIONS
+    assert defaults.max_sessions_per_connection == PER_CONNECTION
+    assert defaults.quota_max_sessions == PER_TENANT
+    assert defaults.first_watch_timeout == FIRST_WATCH_TIMEOUT
+
+
+@pytest.mark.asyncio
 async def test_a_greedy_client_cannot_keep_its_tenant_or_others_out(agent, pki):
     greedy = Greedy(agent, pki, "tenant-a")
     second = Greedy(agent, pki, "tenant-a")
     try:
         taken, refused = await greedy.grab(ATTEMPTS)
         assert refused is not None, f"the greedy connection took {len(taken)} sessions"
-        assert len(taken) == DEFAULTS.max_sessions_per_connection
+        assert len(taken) == PER_CONNECTION
         assert "max_sessions_per_connection" in (refused.details() or "")
 
         tls = pki.client
@@ -126,7 +135,7 @@ async def test_a_greedy_client_cannot_keep_its_tenant_or_others_out(agent, pki):
             more, refused = await second.grab(ATTEMPTS)
             assert refused is not None
             assert "quota.max_sessions" in (refused.details() or "")
-            assert len(taken) + len(more) + 1 == DEFAULTS.quota_max_sessions
+            assert len(taken) + len(more) + 1 == PER_TENANT
             kept.append(await works(other_tenant))  # still room for everyone else
 
             # sessions nobody ever watched end after first_watch_timeout; watched ones stay
@@ -134,7 +143,7 @@ async def test_a_greedy_client_cannot_keep_its_tenant_or_others_out(agent, pki):
                 names = {s.name for s in await admin.list_sessions()}
                 return names & {*taken, *more}
 
-            async with asyncio.timeout(DEFAULTS.first_watch_timeout + 10):
+            async with asyncio.timeout(FIRST_WATCH_TIMEOUT + 10):
                 while await greedy_ones():  # noqa: ASYNC110 - polling the agent
                     await asyncio.sleep(0.2)
             for session in kept:
