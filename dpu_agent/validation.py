@@ -169,7 +169,13 @@ def _check_fields(message: Message, prefix: str, depth: int, budget: _Budget) ->
                 inner = f"{prefix}{rule.name}."
                 _check_fields(getattr(message, rule.name), inner, depth + 1, budget)
         else:
-            _check_items(rule, (getattr(message, rule.name),), prefix, depth, budget)
+            value = getattr(message, rule.name)
+            if value and not (  # the common, valid case without a call
+                value in rule.values
+                if rule.kind == _FD.TYPE_ENUM
+                else rule.kind == _FD.TYPE_STRING and len(value) <= rule.limit
+            ):
+                _check_items(rule, (value,), prefix, depth, budget)
 
 
 def _check_items(
@@ -192,6 +198,7 @@ def _check_items(
         inner = f"{prefix}{rule.name}."
         for item in items:
             _check_fields(item, inner, depth + 1, budget)  # type: ignore[arg-type]
+
     else:
         (value,) = items
         if isinstance(value, int) and value < 0:

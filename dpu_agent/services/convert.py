@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from google.protobuf import timestamp_pb2
 
@@ -106,8 +106,26 @@ ACCESS_FROM_PROTO = {
 }
 
 
+_READ, _WRITE = (
+    int(session_pb2.REGION_ACCESS_REMOTE_READ),
+    int(session_pb2.REGION_ACCESS_REMOTE_WRITE),
+)
+_COMMON_ACCESS: Final[
+    dict[tuple[int, ...], Access]
+] = {  # the lists hosts send, looked up at once (a region costs less)
+    (_READ,): Access.REMOTE_READ,
+    (_WRITE,): Access.REMOTE_WRITE,
+    (_READ, _WRITE): Access.REMOTE_READ | Access.REMOTE_WRITE,
+    (_WRITE, _READ): Access.REMOTE_READ | Access.REMOTE_WRITE,
+}
+
+
 def access(values: Iterable[int]) -> Access:
     """Access flags from the repeated RegionAccess field."""
+    values = tuple(values)
+    common = _COMMON_ACCESS.get(values)
+    if common is not None:
+        return common
     result = Access.NONE
     for value in values:
         if value not in ACCESS_FROM_PROTO:
