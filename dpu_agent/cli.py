@@ -13,7 +13,11 @@ from dpu_agent import __version__, config, logs, server, tls
 
 
 def _parser() -> argparse.ArgumentParser:
-    env_help = "\n".join(f"  {s.env:<26} {s.section}.{s.key}: {s.help}" for s in config.SETTINGS)
+    env_help = "\n".join(
+        f"  {s.env:<37} {s.section}.{s.key}: {s.help}"
+        + (f" ({s.parse.text})" if isinstance(s.parse, config.Number) else "")
+        for s in config.SETTINGS
+    )
     parser = argparse.ArgumentParser(
         prog="dpu-agent",
         description="The DPU offload agent: serves the dpu.v1 gRPC API.",
@@ -55,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error(message: str) -> None:
+    """One line on stderr, whatever the message holds."""
+    print(f"dpu-agent: {logs.printable(message)}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `dpu-agent`."""
     faulthandler.enable()  # a crash in native code (pyverbs, libibverbs) prints every thread
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, overrides=overrides)
     except config.ConfigError as exc:
-        print(f"dpu-agent: configuration error: {exc}", file=sys.stderr)
+        _error(f"configuration error: {exc}")
         return 2
     if args.command == "check-config":
         for field, value in vars(cfg).items():
@@ -79,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             security = tls.security(cfg)
         except config.ConfigError as exc:
-            print(f"dpu-agent: configuration error: {exc}", file=sys.stderr)
+            _error(f"configuration error: {exc}")
             return 2
         print(f"# security: {security.description}")
         return 0
@@ -87,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(server.serve(cfg, ready_file=args.ready_file))
     except config.ConfigError as exc:
-        print(f"dpu-agent: configuration error: {exc}", file=sys.stderr)
+        _error(f"configuration error: {exc}")
         return 2
     except OSError as exc:
         logging.getLogger("dpu_agent").error("cannot start: %s", exc)  # noqa: TRY400
-        print(f"dpu-agent: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 1
     return 0
 

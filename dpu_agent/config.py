@@ -19,8 +19,10 @@ Example file (every key optional):
                                   # sleep on the completion channel), busy, event
     poll_spin = 0.002             # adaptive: seconds a queue pair stays polled when idle
     queue_depth = 32              # default jobs in flight per session (1-1024)
-    max_sessions = 64
-    orphan_timeout = 10.0         # seconds a session lives with no host watching it
+    max_sessions = 64             # sessions the agent serves at once
+    max_sessions_per_connection = 8   # sessions one client connection (gRPC peer) holds
+    orphan_timeout = 10.0         # seconds a session lives after its last watcher left
+    first_watch_timeout = 5.0     # seconds a new session lives if no host ever watches it
     failed_retention = 30.0       # seconds a FAILED session stays listed
     chunk_size = 1048576          # bytes moved per RDMA op and large staging buffer
     staging_buffers = 4           # large staging buffers per session
@@ -80,7 +82,7 @@ Example file (every key optional):
     [quota]                       # per tenant; 0 = no limit
     max_volumes = 0
     max_volume_bytes = 0          # total size of the tenant's volumes
-    max_sessions = 0
+    max_sessions = 16             # open sessions of a tenant (on by default)
     max_queue_depth = 0           # jobs in flight over all the tenant's sessions
     max_flow_rules = 0
 
@@ -89,7 +91,9 @@ it listens on loopback. With them every caller needs a client certificate that c
 to client_ca: its subject CN is the tenant, O=admin gives the admin role.
 
 Each key has an environment variable that overrides the file, e.g.
-`DPU_AGENT_LISTEN=0.0.0.0:50051`; `dpu-agent serve --help` lists them.
+`DPU_AGENT_LISTEN=0.0.0.0:50051`; `dpu-agent serve --help` lists them. Every numeric
+setting has bounds, stated once in `SETTINGS` (a `Number`) and shown by `--help`; a
+value outside them is a ConfigError from every source (file, environment, flags).
 """
 
 from __future__ import annotations
@@ -97,17 +101,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from dpu_agent import logs
+from dpu_agent import logs, tomltext
 from dpu_agent.dataplane import hostpolicy
 from dpu_wire import names
 from dpu_wire.events import TopicError, check_prefix
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
+
+
+MAX_FILE_BYTES: Final = 1 << 20  # a configuration file is a few kilobytes
 
 
 class ConfigError(Exception):
@@ -135,7 +141,9 @@ class AgentConfig:
     poll_spin: float = 0.002
     queue_depth: int = 32
     max_sessions: int = 64
+    max_sessions_per_connection: int = 8
     orphan_timeout: float = 10.0
+    first_watch_timeout: float = 5.0
     failed_retention: float = 30.0
     chunk_size: int = 1 << 20
     staging_buffers: int = 4
@@ -174,7 +182,7 @@ class AgentConfig:
     auth_tokens_file: str = ""
     quota_max_volumes: int = 0
     quota_max_volume_bytes: int = 0
-    quota_max_sessions: int = 0
+    quota_max_sessions: int = 16
     quota_max_queue_depth: int = 0
     quota_max_flow_rules: int = 0
 
@@ -211,27 +219,6 @@ def _listen(value: object, where: str) -> str:
 
 def _optional_listen(value: object, where: str) -> str:
     return "" if value == "" else _listen(value, where)
-
-
-def _seconds(value: object, where: str) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"{where}: {value!r} is not a number of seconds") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 3600:
-        raise ConfigError(f"{where}: expected seconds between 0 and 3600, got {value!r}")
-    return float(value)
-
-
-def _seconds_between(low: float, high: float) -> Callable[[object, str], float]:
-    def parse(value: object, where: str) -> float:
-        seconds = _seconds(value, where)
-        if not low <= seconds <= high:
-            raise ConfigError(f"{where}: expected seconds from {low:g} to {high:g}, got {value!r}")
-        return seconds
-
-    return parse
 
 
 def _tcp_allow(value: object, where: str) -> str:
@@ -291,15 +278,58 @@ def _path(value: object, where: str) -> str:
     return value
 
 
-def _integer(low: int, high: int) -> Callable[[object, str], int]:
-    def parse(value: object, where: str) -> int:
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ConfigError(f"{where}: expected an integer from {low} to {high}, got {value!r}")
-        return value
+@dataclasses.dataclass(frozen=True)
+class Number:
+    """The parser of a numeric setting: an integer or a number of seconds in low..high.
 
-    return parse
+    `off`, when given, is what 0 means; 0 is then allowed below `low` (e.g. "no limit").
+    The bounds are stated here once: `dpu-agent serve --help` shows them (`text`) and
+    every source (file, environment, flags) goes through `__call__`.
+    """
+
+    low: float
+    high: float
+    seconds: bool = False
+    off: str = ""
+
+    @property
+    def text(self) -> str:
+        """The allowed values, for --help: "1-1024", "0 = off, or 1-3600 s"."""
+        unit = " s" if self.seconds else ""
+        span = f"{_plain_number(self.low)}-{_plain_number(self.high)}{unit}"
+        return f"0 = {self.off}, or {span}" if self.off else span
+
+    def __call__(self, value: object, where: str) -> int | float:
+        """The value as an int (float for seconds); ConfigError naming `where` otherwise."""
+        what = "a number of seconds" if self.seconds else "an integer"
+        if isinstance(value, str):
+            try:
+                value = float(value) if self.seconds else int(value.strip(), 10)
+            except ValueError:
+                raise ConfigError(f"{where}: {value!r} is not {what} ({self.text})") from None
+        kinds = (int, float) if self.seconds else (int,)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, kinds)
+            or not (self.low <= value <= self.high or (self.off and value == 0))
+        ):
+            raise ConfigError(f"{where}: expected {what} in {self.text}, got {value!r}")
+        return float(value) if self.seconds else int(value)
+
+
+def _plain_number(value: float) -> str:
+    return str(int(value)) if value == int(value) else str(value)
+
+
+NO_LIMIT: Final = "no limit"
+
+
+def _integer(low: int, high: int, off: str = "") -> Number:
+    return Number(low, high, off=off)
+
+
+def _seconds(low: float, high: float, off: str = "") -> Number:
+    return Number(low, high, seconds=True, off=off)
 
 
 def _choice(*allowed: str) -> Callable[[object, str], str]:
@@ -321,7 +351,7 @@ SETTINGS: Final = (
         "grace_period",
         "grace_period",
         "DPU_AGENT_GRACE_PERIOD",
-        _seconds,
+        _seconds(0, 3600),
         "seconds in-flight RPCs get on shutdown",
     ),
     Setting("log", "level", "log_level", "DPU_AGENT_LOG_LEVEL", _choice(*logs.LEVELS), "log level"),
@@ -352,7 +382,7 @@ SETTINGS: Final = (
         "poll_spin",
         "poll_spin",
         "DPU_AGENT_POLL_SPIN",
-        _seconds_between(0.0, 1.0),
+        _seconds(0, 1),
         "adaptive polling: seconds an idle queue pair stays polled",
     ),
     Setting(
@@ -373,18 +403,34 @@ SETTINGS: Final = (
     ),
     Setting(
         "dataplane",
+        "max_sessions_per_connection",
+        "max_sessions_per_connection",
+        "DPU_AGENT_MAX_SESSIONS_PER_CONNECTION",
+        _integer(1, 4096),
+        "sessions one client connection may hold",
+    ),
+    Setting(
+        "dataplane",
         "orphan_timeout",
         "orphan_timeout",
         "DPU_AGENT_ORPHAN_TIMEOUT",
-        _seconds,
-        "seconds a session lives unwatched",
+        _seconds(0.5, 3600),
+        "seconds a session lives after its last watcher left",
+    ),
+    Setting(
+        "dataplane",
+        "first_watch_timeout",
+        "first_watch_timeout",
+        "DPU_AGENT_FIRST_WATCH_TIMEOUT",
+        _seconds(0.5, 3600),
+        "seconds a new session lives without ever being watched",
     ),
     Setting(
         "dataplane",
         "failed_retention",
         "failed_retention",
         "DPU_AGENT_FAILED_RETENTION",
-        _seconds_between(1.0, 3600.0),
+        _seconds(1, 3600),
         "seconds a FAILED session stays listed",
     ),
     Setting(
@@ -432,7 +478,7 @@ SETTINGS: Final = (
         "op_timeout",
         "op_timeout",
         "DPU_AGENT_OP_TIMEOUT",
-        _seconds_between(1.0, 3600.0),
+        _seconds(1, 3600),
         "seconds a tcp host may leave a READ/WRITE unanswered",
     ),
     Setting(
@@ -488,9 +534,9 @@ SETTINGS: Final = (
             ("password_file", _path, "file holding the broker password"),
             ("keepalive", _integer(5, 65535), "MQTT keepalive seconds"),
             ("backlog", _integer(1, 10_000_000), "events kept while the broker is away"),
-            ("telemetry_interval", _seconds, "seconds between telemetry (0 = off)"),
+            ("telemetry_interval", _seconds(0.1, 3600, off="off"), "seconds between telemetry"),
             ("topic_prefix", _topic_prefix, "topic prefix"),
-            ("flush_timeout", _seconds, "seconds to send the backlog at shutdown"),
+            ("flush_timeout", _seconds(0, 3600), "seconds to send the backlog at shutdown"),
         )
     ),
     Setting(
@@ -530,11 +576,11 @@ SETTINGS: Final = (
     *(
         Setting("quota", key, f"quota_{key}", f"DPU_AGENT_QUOTA_{key.upper()}", parse, text)
         for key, parse, text in (
-            ("max_volumes", _integer(0, 1 << 20), "volumes per tenant (0 = no limit)"),
-            ("max_volume_bytes", _integer(0, 1 << 62), "volume bytes per tenant (0 = no limit)"),
-            ("max_sessions", _integer(0, 1 << 20), "sessions per tenant (0 = no limit)"),
-            ("max_queue_depth", _integer(0, 1 << 30), "jobs in flight per tenant (0 = no limit)"),
-            ("max_flow_rules", _integer(0, 1 << 20), "flow rules per tenant (0 = no limit)"),
+            ("max_volumes", _integer(1, 1 << 20, NO_LIMIT), "volumes per tenant"),
+            ("max_volume_bytes", _integer(1, 1 << 62, NO_LIMIT), "volume bytes per tenant"),
+            ("max_sessions", _integer(1, 4096, NO_LIMIT), "sessions per tenant"),
+            ("max_queue_depth", _integer(1, 1 << 22, NO_LIMIT), "jobs in flight per tenant"),
+            ("max_flow_rules", _integer(1, 1 << 20, NO_LIMIT), "flow rules per tenant"),
         )
     ),
 )
@@ -566,15 +612,19 @@ def storage_dir(config: AgentConfig) -> Path:
 
 def _from_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+        text = raw.decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        data = tomltext.loads(text)
+    except tomltext.TomlError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     known = {(s.section, s.key): s for s in SETTINGS}
     values: dict[str, Any] = {}
     for section, table in data.items():

@@ -31,12 +31,12 @@ import abc
 import functools
 import hashlib
 import ipaddress
-import tomllib
 from typing import TYPE_CHECKING, Any, Final
 
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from dpu_agent import tomltext
 from dpu_agent.auth import ADMIN_ROLE, LOCAL_ADMIN, Principal, Via
 from dpu_agent.errors import Unauthenticated
 from dpu_agent.private_files import read_with_mode
@@ -176,9 +176,11 @@ def load_tokens(path: Path) -> TokenAuthenticator:
     if len(data) > MAX_TOKENS_FILE_BYTES:
         raise TokensFileError(f"{path}: larger than {MAX_TOKENS_FILE_BYTES} bytes")
     try:
-        doc = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise TokensFileError(f"{path}: invalid TOML: {exc}") from None
+        doc = tomltext.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise TokensFileError(f"{path}: not UTF-8 text") from None
+    except tomltext.TomlError as exc:
+        raise TokensFileError(f"{path}: {exc}") from None
     unknown = set(doc) - {"token"}
     if unknown:
         raise TokensFileError(f"{path}: unknown key {min(unknown)!r} (expected [[token]])")

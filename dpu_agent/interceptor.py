@@ -7,7 +7,8 @@ For every RPC the interceptor:
   token or loopback) and sets it for `dpu_agent.auth`; a dpu.v1 call without valid
   credentials is refused UNAUTHENTICATED before its service runs (health checks pass
   without credentials);
-- runs the generic request validation (`dpu_agent.validation`);
+- refuses a request larger than its method allows before parsing it, and runs the
+  generic request validation (`dpu_agent.validation`);
 - maps domain errors (`dpu_agent.errors`) to gRPC status codes, and any other
   exception to INTERNAL without leaking its text;
 - writes one access-log line with method, tenant, status code and duration.
@@ -27,7 +28,7 @@ from google.protobuf.message import DecodeError, Message
 
 from dpu_agent import errors, request_context
 from dpu_agent.status import status_for
-from dpu_agent.validation import validate_request
+from dpu_agent.validation import MAX_REQUEST_BYTES, validate_request
 from dpu_wire import API_PACKAGE, REQUEST_ID_METADATA_KEY
 
 if TYPE_CHECKING:
@@ -103,12 +104,24 @@ class _Undecodable:
     error: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _Oversized:
+    """Stands in for a request larger than its method allows (not parsed at all)."""
+
+    method: str
+    size: int
+    limit: int
+
+
 def _lenient(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any]:
-    """Wrap a request deserializer so corrupt bytes become an `_Undecodable`."""
+    """Wrap a request deserializer: corrupt bytes become `_Undecodable`, too many `_Oversized`."""
+    limit = MAX_REQUEST_BYTES.get(method)
 
     def deserialize(data: bytes) -> Any:  # noqa: ANN401 - a request message
         if deserializer is None:
             return data
+        if limit is not None and len(data) > limit:
+            return _Oversized(method, len(data), limit)
         try:
             return deserializer(data)
         except DecodeError as exc:
@@ -118,6 +131,10 @@ def _lenient(deserializer: Callable[[bytes], Any] | None, method: str) -> Callab
 
 
 def _check(request: object) -> None:
+    if isinstance(request, _Oversized):
+        raise errors.ResourceExhausted(
+            f"request of {request.method} is {request.size} bytes (at most {request.limit})"
+        )
     if isinstance(request, _Undecodable):
         raise errors.InvalidArgument(f"request of {request.type_name} is not a valid message")
     if isinstance(request, Message):

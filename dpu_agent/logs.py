@@ -3,6 +3,14 @@
 Library modules only create loggers (`logging.getLogger(__name__)`); the process
 entry point calls `configure()` once. JSON lines carry the request id of the RPC
 being served, and any `extra={...}` fields given at the call site.
+
+Logged values often come from clients (labels, request ids, names). Neither format
+lets one forge a line or a field. JSON escapes every control and non-ASCII character
+itself. The text format escapes non-printable characters (newline, carriage return,
+ANSI escapes, U+2028...) in the message (`printable`), writes a field value that holds
+one, a space, a quote or "=" as a JSON string (`label="a b"`), so `k=v` pairs stay
+unambiguous, and indents a traceback's lines, so only a record's first line starts at
+column 0.
 """
 
 from __future__ import annotations
@@ -22,6 +30,28 @@ FORMATS: Final = ("json", "text")
 _STANDARD_ATTRS: Final = frozenset(
     logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys() | {"message", "asctime"}
 )
+
+
+_QUOTED: Final = frozenset(' "=\\')
+
+
+def printable(text: str) -> str:
+    """`text` with each non-printable character escaped as Python writes it: one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
+def _escape(char: str) -> str:
+    return char.encode("unicode_escape").decode("ascii")
+
+
+def _field_value(value: object) -> str:
+    """A field's value as is, or as a JSON string if it is empty or could break the line."""
+    text = str(value)
+    if text and text.isprintable() and not any(c in text for c in _QUOTED):
+        return text
+    return json.dumps(text)  # ASCII only: every other character as a JSON escape
 
 
 def _context_fields(record: logging.LogRecord) -> dict[str, object]:
@@ -60,13 +90,30 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        """The prefix and the message, with the message's control characters escaped."""
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
     def format(self, record: logging.LogRecord) -> str:
-        """Render the record as one readable line."""
-        line = super().format(record)
+        """Render the record as one readable line (a traceback follows on its own lines)."""
+        tail = []
+        if record.exc_info:
+            tail.append(self.formatException(record.exc_info))
+        if record.stack_info:
+            tail.append(self.formatStack(record.stack_info))
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        try:
+            line = super().format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
         fields = _context_fields(record)
         if fields:
-            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
-        return line
+            line += " " + " ".join(f"{printable(k)}={_field_value(v)}" for k, v in fields.items())
+        # a traceback keeps its lines, each indented: no line of it starts a record
+        indented = ("  " + printable(part) for text in tail for part in text.splitlines())
+        return "\n".join([line, *indented])
 
 
 def configure(level: str = "info", fmt: str = "json", stream: TextIO | None = None) -> None:

@@ -1,6 +1,7 @@
 """The agent's Prometheus metrics: one registry the agent owns, served over HTTP.
 
-Nothing else in the agent imports prometheus_client. Two kinds of facts:
+Nothing else in the agent imports prometheus_client but `metrics_http`, the endpoint
+that serves this registry (bounded connections and timeouts). Two kinds of facts:
 
 - events, recorded by the layer where they happen through `AgentMetrics`'s methods
   (the session manager and the sessions hold an `AgentMetrics`, or None when the
@@ -59,7 +60,6 @@ standard ``process_*`` metrics (CPU, memory, file descriptors).
 from __future__ import annotations
 
 import bisect
-import ipaddress
 import itertools
 import logging
 from typing import TYPE_CHECKING, Final
@@ -67,7 +67,6 @@ from typing import TYPE_CHECKING, Final
 import grpc
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -75,9 +74,7 @@ from dpu_wire.capsule import JobKind
 from dpu_wire.v1 import agent_pb2
 
 if TYPE_CHECKING:
-    import threading
     from collections.abc import Iterable, Sequence
-    from wsgiref.simple_server import WSGIServer
 
     from prometheus_client.metrics_core import Metric
 
@@ -391,55 +388,3 @@ class _StateCollector(Collector):
         for port, count in sorted(per_port.items()):
             family.add_metric([port], count)
         return [family]
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    """("host", port) of "host:port" or "[v6]:port"."""
-    host, _, port = listen.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def _url_host(host: str) -> str:
-    try:
-        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
-    except ValueError:
-        return host
-
-
-class MetricsServer:
-    """The HTTP endpoint (`GET /metrics`) of a registry, on its own daemon thread."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-        self._httpd: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
-        self.address = ""
-
-    @property
-    def url(self) -> str:
-        """http://host:port/metrics (after start)."""
-        host, port = split_listen(self.address)
-        return f"http://{_url_host(host)}:{port}/metrics"
-
-    def start(self, listen: str) -> str:
-        """Listen on host:port (port 0: any free port); return the bound host:port.
-
-        Raises OSError when the address cannot be bound.
-        """
-        if self._httpd is not None:
-            raise RuntimeError("MetricsServer.start() called twice")
-        host, port = split_listen(listen)
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self._registry)
-        bound = self._httpd.server_address[1]
-        self.address = f"{_url_host(host)}:{bound}"
-        return self.address
-
-    def stop(self) -> None:
-        """Stop serving and close the socket. Blocks up to half a second. Idempotent."""
-        httpd, self._httpd = self._httpd, None
-        if httpd is None:
-            return
-        httpd.shutdown()
-        httpd.server_close()
-        if self._thread is not None:
-            self._thread.join()

@@ -24,7 +24,8 @@ from dpu_agent.dataplane.reactor import Reactor
 from dpu_agent.errors import AgentError
 from dpu_agent.events import MqttEventPublisher, MqttSettings
 from dpu_agent.interceptor import RpcInterceptor
-from dpu_agent.metrics import AgentMetrics, MetricsServer
+from dpu_agent.metrics import AgentMetrics
+from dpu_agent.metrics_http import MetricsServer
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
@@ -64,7 +65,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
+# The largest request the API needs is AdvertiseRegions with 1024 regions (~300 KB at
+# most); a bigger one is refused by gRPC before it is read into Python. Answers may be
+# larger (a page of 500 jobs with their messages).
+MAX_REQUEST_BYTES: Final = 1 << 20
+MAX_ANSWER_BYTES: Final = 4 << 20
 # [dataplane] poll_mode -> the reactor's spin (seconds an idle queue pair stays polled)
 _SPIN: Final[dict[str, Callable[[float], float]]] = {
     "adaptive": lambda spin: spin,
@@ -258,8 +263,10 @@ class AgentServer:
         self.sessions = SessionManager(
             ManagerSettings(
                 max_sessions=cfg.max_sessions,
+                max_sessions_per_connection=cfg.max_sessions_per_connection,
                 default_queue_depth=cfg.queue_depth,
                 orphan_timeout=cfg.orphan_timeout,
+                first_watch_timeout=cfg.first_watch_timeout,
                 failed_retention=cfg.failed_retention,
                 chunk_size=cfg.chunk_size,
                 large_buffers=cfg.staging_buffers,
@@ -274,8 +281,8 @@ class AgentServer:
         server = grpc.aio.server(
             interceptors=[RpcInterceptor(security.authenticator)],
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                ("grpc.max_send_message_length", MAX_ANSWER_BYTES),
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ],
@@ -353,7 +360,7 @@ class AgentServer:
         )
         if self.flows is not None:
             network_pb2_grpc.add_NetworkServiceServicer_to_server(
-                NetworkService(self.flows, quotas), server
+                NetworkService(self.flows, quotas, owners=self.functions), server
             )
         if self.functions is not None:
             virtualization_pb2_grpc.add_VirtualizationServiceServicer_to_server(

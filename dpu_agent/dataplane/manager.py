@@ -1,16 +1,22 @@
 """All sessions of the agent: open, find, list, close, and reap the orphaned ones.
 
 A session stays alive while its host watches it (a WatchCompletions stream, which
-the SDK keeps open for the session's life). When the last stream ends (host gone,
-network cut) and none comes back within `orphan_timeout`, the session is closed:
-its queue pair is destroyed and its regions forgotten.
+the SDK opens right after OpenSession and keeps open for the session's life). When
+the last stream ends (host gone, network cut) and none comes back within
+`orphan_timeout`, the session is closed: its queue pair is destroyed and its regions
+forgotten. A session that no stream ever watched lives `first_watch_timeout` (or
+`orphan_timeout` if that is shorter), so a client cannot hold slots by opening
+sessions it never uses.
 
 A session whose data plane failed stays listed, FAILED with its error, for
 `failed_retention` seconds (whether or not a host watches it), then it is forgotten.
 
 Each session belongs to the tenant that opened it; the services check ownership
-(`dpu_agent.auth`). Per tenant, `Quotas.max_sessions` bounds the open sessions and
-`Quotas.max_queue_depth` the sum of their queue depths (jobs in flight); sessions
+(`dpu_agent.auth`). Admission bounds, so no one client or tenant takes every slot:
+`max_sessions` for the agent, `Quotas.max_sessions` per tenant (16 by default) and
+`Quotas.max_queue_depth` for the sum of a tenant's queue depths (jobs in flight), and
+`max_sessions_per_connection` per client connection (the gRPC peer: one channel, so
+two programs of one tenant, or one program's two channels, count apart). Sessions
 being connected count, so concurrent opens cannot slip past a limit.
 """
 
@@ -64,9 +70,11 @@ class ManagerSettings:
     """Limits of the session manager."""
 
     max_sessions: int = 64
+    max_sessions_per_connection: int = 8
     max_queue_depth: int = 1024
     default_queue_depth: int = 32
-    orphan_timeout: float = 10.0
+    orphan_timeout: float = 10.0  # after the last watcher left
+    first_watch_timeout: float = 5.0  # for a session no watcher ever came to
     failed_retention: float = 30.0
     chunk_size: int = 1 << 20
     large_buffers: int = 4
@@ -95,9 +103,11 @@ class SessionManager:
         self.bus = bus or CompletionBus()
         self._quotas = quotas or Quotas()
         self._sessions: dict[str, Session] = {}
+        self._connections: dict[str, str] = {}  # session id -> the gRPC peer that opened it
         # (tenant, request_id) -> session id, for idempotent open; oldest forgotten first
         self._by_request: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
-        self._connecting: list[tuple[str, int]] = []  # (tenant, queue depth) being opened
+        # (tenant, queue depth, connection) of the sessions being opened
+        self._connecting: list[tuple[str, int, str]] = []
         self._reaper: asyncio.Task[None] | None = None
         self._draining = False
 
@@ -131,6 +141,7 @@ class SessionManager:
         for _ in self._sessions:
             self._closed("shutdown")
         self._sessions.clear()
+        self._connections.clear()
 
     async def open(  # noqa: PLR0913 - the OpenSession fields
         self,
@@ -143,7 +154,12 @@ class SessionManager:
         request_id: str = "",
         peer: str = "",
     ) -> Session:
-        """Open a session and connect its data plane to the host."""
+        """Open a session and connect its data plane to the host.
+
+        `peer` is the gRPC peer the call came over ("ipv4:1.2.3.4:5678"): the client
+        connection the per-connection limit counts, and the address the tcp data plane
+        may dial.
+        """
         if self._draining:
             raise Unavailable("the agent is shutting down and opens no sessions")
         remembered = (tenant, request_id)
@@ -164,15 +180,17 @@ class SessionManager:
                 f"the agent serves at most {self.settings.max_sessions} sessions"
             )
         held = [s.queue_depth for s in self._sessions.values() if s.tenant == tenant]
-        held += [d for t, d in self._connecting if t == tenant]
+        held += [d for t, d, _ in self._connecting if t == tenant]
         self._quotas.check_sessions(tenant, len(held) + 1, sum(held) + depth)
-        reservation = (tenant, depth)
+        self._check_connection(peer)
+        reservation = (tenant, depth, peer)
         self._connecting.append(reservation)
         try:
             session = await self._connect(tenant, kind, depth, label, host, peer)
         finally:
             self._connecting.remove(reservation)
         self._sessions[session.session_id] = session
+        self._connections[session.session_id] = peer
         if self._events is not None:
             self._events.session_opened(kind)
         if request_id:
@@ -190,6 +208,17 @@ class SessionManager:
             },
         )
         return session
+
+    def _check_connection(self, connection: str) -> None:
+        """ResourceExhausted if `connection` already holds its share of sessions."""
+        limit = self.settings.max_sessions_per_connection
+        held = sum(1 for c in self._connections.values() if c == connection)
+        held += sum(1 for _, _, c in self._connecting if c == connection)
+        if held >= limit:
+            raise ResourceExhausted(
+                f"this client connection holds {held} sessions, the most one connection "
+                f"may hold ([dataplane] max_sessions_per_connection = {limit})"
+            )
 
     async def _connect(  # noqa: PLR0913, PLR0917 - the session's identity and its host
         self, tenant: str, kind: int, depth: int, label: str, host: PeerAddress, peer: str
@@ -262,30 +291,42 @@ class SessionManager:
         """Close and forget a session."""
         session = self.get(name)
         await session.close()
-        if self._sessions.pop(session.session_id, None) is not None:
+        if self._forget(session):
             self._closed("closed")
         log.info("session closed", extra={"session": name})
 
     async def _reap(self) -> None:
+        settings = self.settings
+        never_watched = min(settings.orphan_timeout, settings.first_watch_timeout)
+        pause = min(1.0, settings.orphan_timeout / 2, never_watched / 2)
         while True:
-            await asyncio.sleep(min(1.0, self.settings.orphan_timeout / 2))
+            await asyncio.sleep(max(0.05, pause))
             now = time.monotonic()
             for session in list(self._sessions.values()):
                 since = session.unwatched_since
                 failed_at = session.failed_at
                 if failed_at is not None:
-                    if now - failed_at <= self.settings.failed_retention:
+                    if now - failed_at <= settings.failed_retention:
                         continue
                     await session.close()
+                    # a host that died closed its end of the link: orphaned too
                     reason = "orphaned" if session.host_gone else "failed"
-                elif since is not None and now - since > self.settings.orphan_timeout:
+                elif since is not None and now - since > (
+                    settings.orphan_timeout if session.ever_watched else never_watched
+                ):
+                    why = "host gone: no watcher" if session.ever_watched else "never watched"
                     log.warning("closing orphaned session", extra={"session": session.name})
-                    await session.close("host gone: no watcher")
+                    await session.close(why)
                     reason = "orphaned"
                 else:
                     continue
-                if self._sessions.pop(session.session_id, None) is not None:
+                if self._forget(session):
                     self._closed(reason)
+
+    def _forget(self, session: Session) -> bool:
+        """Drop a closed session; False if it was gone already."""
+        self._connections.pop(session.session_id, None)
+        return self._sessions.pop(session.session_id, None) is not None
 
     def sessions(self) -> list[Session]:
         """Every session."""

@@ -47,6 +47,11 @@ class RegionTable:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    @property
+    def room(self) -> int:
+        """How many more regions the session may advertise."""
+        return self._limit - len(self._by_id)
+
     def add(self, region: AdvertisedRegion) -> None:
         """Add a region; its id and rkey must be new to the session."""
         if region.region_id in self._by_id:

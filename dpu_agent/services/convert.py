@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from google.protobuf import timestamp_pb2
 
@@ -16,6 +17,8 @@ from dpu_wire.transport.tcp import TOKEN_BYTES
 from dpu_wire.v1 import common_pb2, job_pb2, session_pb2
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from dpu_agent.dataplane.jobs import JobRecord
     from dpu_agent.dataplane.regions import AdvertisedRegion
     from dpu_agent.dataplane.session import Session
@@ -48,7 +51,11 @@ def resource_id(name: str, collection: str, what: str) -> str:
 
 def region_id(s: Session, name: str, what: str) -> str:
     """The id in "sessions/{session}/regions/{id}", which must be a region of `s`."""
-    owner, ident = parsed_name(name, what, "sessions", "regions")
+    prefix = f"{s.name}/regions/"
+    if name.startswith(prefix):  # the common case, without parsing the whole name
+        with contextlib.suppress(names.InvalidNameError):
+            return names.check_id(name[len(prefix) :])
+    owner, ident = parsed_name(name, what, "sessions", "regions")  # also says what is wrong
     if owner != s.session_id:
         raise InvalidArgument(f"{what}: {name} is not in {s.name}")
     return ident
@@ -116,8 +123,26 @@ ACCESS_FROM_PROTO = {
 }
 
 
-def access(values: list[int]) -> Access:
+_READ, _WRITE = (
+    int(session_pb2.REGION_ACCESS_REMOTE_READ),
+    int(session_pb2.REGION_ACCESS_REMOTE_WRITE),
+)
+_COMMON_ACCESS: Final[
+    dict[tuple[int, ...], Access]
+] = {  # the lists hosts send, looked up at once (a region costs less)
+    (_READ,): Access.REMOTE_READ,
+    (_WRITE,): Access.REMOTE_WRITE,
+    (_READ, _WRITE): Access.REMOTE_READ | Access.REMOTE_WRITE,
+    (_WRITE, _READ): Access.REMOTE_READ | Access.REMOTE_WRITE,
+}
+
+
+def access(values: Iterable[int]) -> Access:
     """Access flags from the repeated RegionAccess field."""
+    values = tuple(values)
+    common = _COMMON_ACCESS.get(values)
+    if common is not None:
+        return common
     result = Access.NONE
     for value in values:
         if value not in ACCESS_FROM_PROTO:

@@ -1,35 +1,43 @@
 """NetworkService: ports and flow rules (a thin gRPC layer over the flow table).
 
-Ports are agent-wide: listing them needs the admin role, and so does a rule whose
-ingress port is an uplink (it would see every tenant's traffic). A flow rule belongs
-to the tenant that created it (kept in the rule store); another tenant's rule answers
-NOT_FOUND exactly as a missing one does, and admins see all. `[quota] max_flow_rules`
-bounds the rules of a tenant.
+Ports are agent-wide: listing them needs the admin role. Which ports a rule may name
+(its ingress port, and the targets of its forwards and mirrors) depends on who calls
+(`dpu_agent.network.access`): a function's representor only by the function's tenant,
+an uplink as ingress only by an admin; another tenant's port answers NOT_FOUND exactly
+as a missing one does. A flow rule belongs to the tenant that created it (kept in the
+rule store); another tenant's rule answers NOT_FOUND exactly as a missing one does,
+and admins see all. `[quota] max_flow_rules` bounds the rules of a tenant.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
-from dpu_agent.errors import InvalidArgument
+from dpu_agent.errors import InvalidArgument, ResourceExhausted
 from dpu_agent.network import model
+from dpu_agent.network.access import check_rule_ports
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_wire import names
 from dpu_wire.v1 import network_pb2, network_pb2_grpc
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Mapping
 
     import grpc
 
+    from dpu_agent.auth import Principal
+    from dpu_agent.network.access import PortOwners
     from dpu_agent.network.table import FlowTable
 
 MIN_INTERVAL_MS: Final = 100
+MS_PER_WATCHED_RULE: Final = 10  # a watch of n rules updates at most every 10 n ms
 MAX_WATCHED_RULES: Final = 1000
+MAX_WATCHES_PER_TENANT: Final = 16  # concurrent WatchFlowCounters streams
 _KINDS: Final = {
     model.PortKind.UPLINK: network_pb2.PORT_KIND_UPLINK,
     model.PortKind.REPRESENTOR: network_pb2.PORT_KIND_REPRESENTOR,
@@ -221,10 +229,42 @@ def port_to(p: model.PortInfo) -> network_pb2.Port:
 class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     """Ports and flow rules; the table does the work in a thread."""
 
-    def __init__(self, table: FlowTable, quotas: Quotas | None = None) -> None:
+    def __init__(
+        self, table: FlowTable, quotas: Quotas | None = None, owners: PortOwners | None = None
+    ) -> None:
         self._table = table
         self._quotas = quotas or Quotas()
+        self._owners = owners  # None: the agent manages no functions
         self._creating = asyncio.Lock()  # the quota check and the create hold together
+        self._watches: collections.Counter[str] = collections.Counter()  # tenant -> streams
+
+    def _checked(
+        self, rule: model.FlowRule, principal: Principal, *, replace: bool
+    ) -> model.FlowRule:
+        """Create (or replace) the rule if the caller may name its ports. In a thread.
+
+        Port ownership is held still from the check until the rule is in the table, so
+        a function cannot be deleted (and its port change hands) in between.
+        """
+        if self._owners is None:
+            return self._apply(rule, principal, None, replace=replace)
+        with self._owners.port_owners() as owners:
+            return self._apply(rule, principal, owners, replace=replace)
+
+    def _apply(
+        self,
+        rule: model.FlowRule,
+        principal: Principal,
+        owners: Mapping[str, str] | None,
+        *,
+        replace: bool,
+    ) -> model.FlowRule:
+        check_rule_ports(rule, principal, {p.name for p in self._table.ports()}, owners)
+        return self._table.update(rule) if replace else self._table.create(rule)
+
+    def _counters(self, rule_ids: list[str]) -> list[model.RuleCounters]:
+        """Every rule's counters, in one trip to a worker thread."""
+        return [self._table.counters(rule_id) for rule_id in rule_ids]
 
     async def _owned(self, rule_id: str) -> model.FlowRule:
         """The rule, if the caller may see it; NotFound as for a missing one otherwise."""
@@ -257,14 +297,13 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> network_pb2.FlowRule:
         """Validate, program and save a rule, owned by the caller's tenant."""
-        tenant = auth.tenant()
+        principal = auth.current_principal()
+        tenant = principal.tenant
         rule = rule_from(request.flow_rule_id, request.flow_rule, tenant)
-        if model.port_kind(rule.ingress_port) == model.PortKind.UPLINK:
-            auth.require_admin(f"a rule on uplink port {rule.ingress_port}")
         async with self._creating:
             owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
             self._quotas.check_flow_rules(tenant, owned + 1)
-            created = await asyncio.to_thread(self._table.create, rule)
+            created = await asyncio.to_thread(self._checked, rule, principal, replace=False)
         return rule_to(created)
 
     async def GetFlowRule(
@@ -313,7 +352,8 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             offload=_OFFLOAD_IN[incoming.offload] if "offload" in paths else old.offload,
             tenant=old.tenant,
         )
-        return rule_to(await asyncio.to_thread(self._table.update, new))
+        principal = auth.current_principal()
+        return rule_to(await asyncio.to_thread(self._checked, new, principal, replace=True))
 
     async def DeleteFlowRule(
         self,
@@ -331,21 +371,38 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         request: network_pb2.WatchFlowCountersRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[network_pb2.FlowCounterUpdate]:
-        """The selected rules' counters (default: the caller's) every interval, until it goes."""
+        """The selected rules' counters (default: the caller's) every interval, until it goes.
+
+        A tenant holds at most `MAX_WATCHES_PER_TENANT` watches; each round reads every
+        counter in one trip to a worker thread, and rounds are at least
+        `MIN_INTERVAL_MS` and `MS_PER_WATCHED_RULE` per rule apart, so watches cost the
+        event loop a bounded number of updates a second.
+        """
         if len(request.names) > MAX_WATCHED_RULES:
             raise InvalidArgument(f"names: at most {MAX_WATCHED_RULES} rules per watch")
         principal = auth.current_principal()
         wanted = [resource_id(n, "flowRules", f"names[{i}]") for i, n in enumerate(request.names)]
         for rule_id in wanted:
             await self._owned(rule_id)
-        interval = max(request.interval_ms or 1000, MIN_INTERVAL_MS) / 1000
-        await context.send_initial_metadata(())
-        while True:
-            visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
-            ids = wanted or visible[:MAX_WATCHED_RULES]
-            for rule_id in ids:
-                counters = await asyncio.to_thread(self._table.counters, rule_id)
-                yield network_pb2.FlowCounterUpdate(
-                    name=f"flowRules/{rule_id}", counters=counters_to(counters)
+        if self._watches[principal.tenant] >= MAX_WATCHES_PER_TENANT:
+            raise ResourceExhausted(
+                f"tenant {principal.tenant!r} already watches flow counters on "
+                f"{MAX_WATCHES_PER_TENANT} streams"
+            )
+        self._watches[principal.tenant] += 1
+        try:
+            await context.send_initial_metadata(())
+            while True:
+                visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
+                ids = wanted or visible[:MAX_WATCHED_RULES]
+                counters = await asyncio.to_thread(self._counters, ids)
+                for rule_id, counted in zip(ids, counters, strict=True):
+                    yield network_pb2.FlowCounterUpdate(
+                        name=f"flowRules/{rule_id}", counters=counters_to(counted)
+                    )
+                interval_ms = max(
+                    request.interval_ms or 1000, MIN_INTERVAL_MS, MS_PER_WATCHED_RULE * len(ids)
                 )
-            await asyncio.sleep(interval)
+                await asyncio.sleep(interval_ms / 1000)
+        finally:
+            self._watches[principal.tenant] -= 1

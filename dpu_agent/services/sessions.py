@@ -9,21 +9,53 @@ volumes of its own tenant.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from dpu_agent import auth
-from dpu_agent.dataplane.regions import AdvertisedRegion
-from dpu_agent.errors import FailedPrecondition, NotFound
+from dpu_agent.dataplane.regions import MAX_REGIONS_PER_SESSION, AdvertisedRegion
+from dpu_agent.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dpu_agent.services import convert
 from dpu_wire import names
 from dpu_wire.v1 import session_pb2, session_pb2_grpc
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
     import grpc
 
     from dpu_agent.dataplane.manager import SessionManager
     from dpu_agent.dataplane.session import Session
     from dpu_agent.storage import VolumeStore
+
+
+MAX_LABEL_LENGTH: Final = 128
+REGIONS_PER_SLICE: Final = 128  # AdvertiseRegions yields to the event loop this often
+_T = TypeVar("_T")
+
+
+def client_label(text: str) -> str:
+    """The OpenSession label if it is short and printable; InvalidArgument otherwise.
+
+    It is shown to people (logs, `dpuctl session list`), so no control characters or
+    line breaks that could forge a log line or a terminal's output.
+    """
+    if len(text) > MAX_LABEL_LENGTH:
+        raise InvalidArgument(
+            f"client_label: {len(text)} characters long (at most {MAX_LABEL_LENGTH})"
+        )
+    if not text.isprintable():
+        raise InvalidArgument(
+            "client_label: only printable characters (no control characters or line breaks)"
+        )
+    return text
+
+
+async def _sliced(items: Sequence[_T]) -> AsyncIterator[tuple[int, _T]]:
+    """(index, item) of `items`, yielding to the event loop every `REGIONS_PER_SLICE`."""
+    for index, item in enumerate(items):
+        if index and not index % REGIONS_PER_SLICE:
+            await asyncio.sleep(0)
+        yield index, item
 
 
 def owned_session(manager: SessionManager, name: str) -> Session:
@@ -56,7 +88,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
             tenant=auth.tenant(),
             transport=request.transport,
             queue_depth=request.queue_depth,
-            label=request.client_label,
+            label=client_label(request.client_label),
             host=convert.peer_address(request.host_endpoint),
             request_id=request.request_id,
             peer=context.peer() or "",
@@ -94,17 +126,28 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         request: session_pb2.AdvertiseRegionsRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> session_pb2.AdvertiseRegionsResponse:
-        """Add host regions to the session, all or none."""
+        """Add host regions to the session, all or none.
+
+        The count is checked before any region is looked at (the interceptor already
+        bounded it to 1024), each region costs microseconds, and the work yields to the
+        event loop every `REGIONS_PER_SLICE` regions, so other calls are not held up.
+        """
         session = owned_session(self._manager, request.session)
+        room = session.regions.room
+        if len(request.regions) > room:
+            raise ResourceExhausted(
+                f"a session may advertise at most {MAX_REGIONS_PER_SESSION} regions: "
+                f"{session.name} has room for {room}, the request has {len(request.regions)}"
+            )
         new: list[AdvertisedRegion] = []
-        for index, message in enumerate(request.regions):
+        async for index, message in _sliced(request.regions):
             new.append(
                 AdvertisedRegion(
                     region_id=convert.region_id(session, message.name, f"regions[{index}].name"),
                     addr=message.addr,
                     length=message.length,
                     rkey=message.rkey,
-                    access=convert.access(list(message.access)),
+                    access=convert.access(message.access),
                 )
             )
         added: list[AdvertisedRegion] = []
@@ -117,7 +160,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
                 session.regions.remove(region.region_id)
             raise
         return session_pb2.AdvertiseRegionsResponse(
-            regions=[convert.region(session, r) for r in added]
+            regions=[convert.region(session, r) async for _, r in _sliced(added)]
         )
 
     async def AttachVolume(

@@ -15,11 +15,18 @@ of them by the function id.
 
 A delete is refused with FailedPrecondition while a flow rule names the function's
 representor port (as its ingress port or in an action) or while the backend reports
-the function busy (its block device mounted on the host side).
+the function busy (its block device mounted on the host side). The refusal names the
+rules of the function's own tenant and only counts the others (an admin's), so it
+never tells one tenant another's rule ids.
+
+A function's representor port belongs to its tenant: `port_owners()` tells the
+network service whose each port is (`dpu_agent.network.access`), and holds ownership
+still while a rule is checked and created, so a port cannot change hands meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -37,7 +44,7 @@ from dpu_agent.virtualization.model import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Iterator, Mapping
 
     from dpu_agent.network.model import FlowRule
     from dpu_agent.storage.backend import VolumeStore
@@ -55,14 +62,27 @@ def holder_name(function_id: str) -> str:
     return f"functions/{function_id}"
 
 
-def rules_on_port(rules: list[FlowRule], port: str) -> list[str]:
-    """Ids of the rules that match on `port` or send packets to it."""
+def rules_on_port(rules: list[FlowRule], port: str) -> list[FlowRule]:
+    """The rules that match on `port` or send packets to it."""
     return [
-        r.rule_id
+        r
         for r in rules
         if r.ingress_port == port
         or any(isinstance(a, Forward | Mirror) and a.port == port for a in r.actions)
     ]
+
+
+def _rules_in_the_way(users: list[FlowRule], tenant: str) -> str:
+    """The rules that keep a function of `tenant` alive: its own by id, others counted."""
+    own = [r.rule_id for r in users if r.tenant == tenant]
+    others = len(users) - len(own)
+    parts = []
+    if own:
+        more = f" and {len(own) - 5} more" if len(own) > 5 else ""
+        parts.append(f"flow rule(s) {', '.join(own[:5])}{more}")
+    if others:
+        parts.append(f"{others} flow rule(s) of another tenant (an admin can remove them)")
+    return " and ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +174,16 @@ class FunctionManager:
         """Every function, by id."""
         with self._lock:
             return [self._records[k] for k in sorted(self._records)]
+
+    @contextlib.contextmanager
+    def port_owners(self) -> Iterator[dict[str, str]]:
+        """Representor port -> tenant of its function; no function changes meanwhile."""
+        with self._lock:
+            yield {
+                r.provisioned.representor_port: r.spec.tenant
+                for r in self._records.values()
+                if r.provisioned is not None and r.provisioned.representor_port
+            }
 
     def by_port(self, port: str) -> FunctionRecord | None:
         """The function whose representor is `port`, if any."""
@@ -251,7 +281,7 @@ class FunctionManager:
                 if users:
                     raise FailedPrecondition(
                         f"functions/{function_id}: its port {made.representor_port} is used by "
-                        f"flow rule(s) {', '.join(users[:5])}; delete them first"
+                        f"{_rules_in_the_way(users, spec.tenant)}; delete them first"
                     )
             reason = self.backend.busy(spec, made)
             if reason:

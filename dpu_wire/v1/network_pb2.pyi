@@ -778,7 +778,7 @@ class WatchFlowCountersRequest(_message.Message):
     NAMES_FIELD_NUMBER: _builtins.int
     INTERVAL_MS_FIELD_NUMBER: _builtins.int
     interval_ms: _builtins.int
-    """0 = 1000"""
+    """0 = 1000; at least 100, and 10 per rule watched"""
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Rules to watch; empty for all."""

@@ -275,6 +275,7 @@ class OpenSessionRequest(_message.Message):
     queue_depth: _builtins.int
     """0 = agent default"""
     client_label: _builtins.str
+    """at most 128 printable characters (no line breaks)"""
     @_builtins.property
     def host_endpoint(self) -> Global___Endpoint: ...
     def __init__(

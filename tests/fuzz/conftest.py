@@ -38,6 +38,8 @@ AGENT_ENV = {
     "DPU_AGENT_STORAGE_BACKEND": "memory",
     "DPU_AGENT_TRANSPORTS": "tcp",
     "DPU_AGENT_MAX_SESSIONS": "32",
+    "DPU_AGENT_MAX_SESSIONS_PER_CONNECTION": "32",  # one fuzzing channel: as many as the agent
+    "DPU_AGENT_QUOTA_MAX_SESSIONS": "32",
     "DPU_AGENT_ORPHAN_TIMEOUT": "1",
     "DPU_AGENT_LOG_LEVEL": "warning",
     "DPU_AGENT_GRACE_PERIOD": "2",

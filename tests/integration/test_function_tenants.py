@@ -1,9 +1,11 @@
 """Functions are tenant-owned: another tenant cannot see, change, delete or borrow them."""
 
+import grpc
 import pytest
+from google.protobuf import field_mask_pb2
 
 import host_client
-from dpu_wire.v1 import virtualization_pb2
+from dpu_wire.v1 import network_pb2, virtualization_pb2
 from tests.integration.conftest import start_agent
 from tests.integration.pki import make_pki
 
@@ -74,3 +76,76 @@ async def test_a_tenant_sees_and_touches_only_its_own_functions(setup):
         await a.delete_function("functions/a-disk")
         await a.delete_function("functions/a-fn")
         await b.delete_function("functions/b-fn")
+
+
+def rule(port, *actions, priority=10):
+    return network_pb2.FlowRule(
+        priority=priority, ingress_port=f"ports/{port}", actions=list(actions)
+    )
+
+
+def forward(port):
+    return network_pb2.FlowAction(forward=network_pb2.ForwardAction(port=f"ports/{port}"))
+
+
+def mirror(port):
+    return network_pb2.FlowAction(mirror=network_pb2.MirrorAction(port=f"ports/{port}"))
+
+
+DROP = network_pb2.FlowAction(drop=network_pb2.DropAction())
+
+
+async def test_only_a_functions_tenant_may_name_its_representor_in_a_flow_rule(setup):
+    """The attack of issue 14: B's mirror and drop on A's pf0vf0 blocked A's delete."""
+    async with (
+        client(setup, "tenant-a") as a,
+        client(setup, "tenant-b") as b,
+        client(setup, "ops", admin=True) as admin,
+    ):
+        a_port = await a.create_function("a-vf", virtualization_pb2.Function(type=VF))
+        b_port = await b.create_function("b-vf", virtualization_pb2.Function(type=VF))
+        a_rep = a_port.representor_port.removeprefix("ports/")
+        b_rep = b_port.representor_port.removeprefix("ports/")
+        free = next(p for p in ("pf0vf0", "pf0vf1", "pf0vf2") if p not in (a_rep, b_rep))
+        attempts = {
+            "mirror A's traffic to B": (a_rep, rule(a_rep, mirror(b_rep))),
+            "drop A's traffic first": (a_rep, rule(a_rep, DROP, priority=1)),
+            "inject into A's function": (a_rep, rule(b_rep, forward(a_rep))),
+            "copy B's traffic to A": (a_rep, rule(b_rep, mirror(a_rep), DROP)),
+            "wait on a port no function has yet": (free, rule(free, mirror(b_rep))),
+        }
+        refusals = {}
+        for index, (what, (port, attempt)) in enumerate(attempts.items()):
+            with pytest.raises(host_client.NotFoundError) as theirs:
+                await b.create_flow_rule(f"b-{index}", attempt)
+            refusals[what] = theirs.value.message.replace(port, "X")
+        with pytest.raises(host_client.NotFoundError) as missing:
+            await b.create_flow_rule("b-probe", rule("pf9vf9", forward(b_rep)))
+        for what, message in refusals.items():  # as for a port that does not exist
+            assert message == missing.value.message.replace("pf9vf9", "X"), what
+        b_own = await b.create_flow_rule("b-own", rule(b_rep, forward("p0")))  # its own: fine
+        update = network_pb2.UpdateFlowRuleRequest(
+            flow_rule=network_pb2.FlowRule(name=b_own.name, actions=[mirror(a_rep)]),
+            update_mask=field_mask_pb2.FieldMask(paths=["actions"]),
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as changed:  # nor by changing its actions
+            await b.stubs.network.UpdateFlowRule(update)
+        assert changed.value.code() == grpc.StatusCode.NOT_FOUND
+        assert changed.value.details() == f"ports/{a_rep} does not exist"
+        with pytest.raises(host_client.PermissionDeniedError, match="admin role"):
+            await b.create_flow_rule("b-uplink", rule("p0", forward(b_rep)))
+        assert [r.name for r in await admin.list_flow_rules()] == ["flowRules/b-own"]
+
+        # A's delete is refused only by rules on its port, and names only A's own
+        await admin.create_flow_rule("ops-watch", rule(a_rep, mirror(b_rep), priority=5))
+        await a.create_flow_rule("a-own", rule(a_rep, forward("p0"), priority=7))
+        with pytest.raises(host_client.FailedPreconditionError) as refused:
+            await a.delete_function("functions/a-vf")
+        assert "a-own" in refused.value.message
+        assert "ops-watch" not in refused.value.message
+        assert "1 flow rule(s) of another tenant" in refused.value.message
+        await admin.delete_flow_rule("flowRules/ops-watch")
+        await a.delete_flow_rule("flowRules/a-own")
+        await a.delete_function("functions/a-vf")
+        await b.delete_flow_rule("flowRules/b-own")
+        await b.delete_function("functions/b-vf")

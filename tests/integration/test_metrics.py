@@ -6,10 +6,12 @@ the counts it reports must match the jobs this test ran, kind by kind.
 
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 
 import host_client
+from dpu_agent.metrics_http import READ_TIMEOUT
 from tests.integration.conftest import start_agent
 
 pytestmark = pytest.mark.asyncio
@@ -120,3 +122,55 @@ async def test_a_busy_metrics_port_is_logged_and_the_agent_serves_anyway(tmp_pat
             assert second.terminate() == 0
     finally:
         assert first.terminate() == 0
+
+
+HALF_SENT = 1000
+
+
+def threads_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text(encoding="ascii").splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads: line")
+
+
+async def closed_by_peer(reader: asyncio.StreamReader) -> bytes:
+    """What the peer sent before it closed (a reset, as for unread input, counts as closed)."""
+    try:
+        return await reader.read()
+    except ConnectionResetError:
+        return b""
+
+
+async def test_half_sent_requests_hold_no_threads_and_a_scrape_still_works(tmp_path):
+    """1,000 connections that send half a request: no thread each, and each times out."""
+    agent = start_agent(tmp_path)
+    try:
+        host, _, rest = agent.metrics_url().removeprefix("http://").partition(":")
+        port = int(rest.partition("/")[0])
+        await scrape(agent)  # the endpoint has served once
+        before = threads_of(agent.proc.pid)
+        held = []
+        try:
+            for _ in range(HALF_SENT):
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # no blank line: half
+                held.append((reader, writer))
+            await asyncio.sleep(0.5)
+            during = threads_of(agent.proc.pid)
+            assert during <= before + 2, (before, during)  # was one thread per connection
+            samples = await scrape(agent)  # a scraper still gets its answer meanwhile
+            assert any(key.startswith("dpu_agent_info{") for key in samples)
+            # every half-sent connection is closed by the agent: crowded out by newer
+            # ones, or at the end of the read timeout
+            ends = await asyncio.wait_for(
+                asyncio.gather(*(closed_by_peer(reader) for reader, _ in held)), READ_TIMEOUT + 10
+            )
+            assert ends == [b""] * HALF_SENT
+        finally:
+            for _, writer in held:
+                writer.close()
+        assert threads_of(agent.proc.pid) <= before + 2
+        assert any(key.startswith("dpu_agent_info{") for key in await scrape(agent))
+    finally:
+        assert agent.terminate() == 0

@@ -3,10 +3,12 @@
 The kernel datapath (tc flower) and real packets are tested in the VM suite.
 """
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 import host_client
@@ -77,8 +79,6 @@ async def test_rules_are_served_listed_and_survive_a_restart(memory_agent, tmp_p
     [
         (forward_rule(dst_l4_port=80), "L4 port needs ip_protocol"),
         (forward_rule(to="pf0vf0"), "its own ingress port"),
-        (forward_rule(to="nope"), "'nope' is not a managed port"),
-        (forward_rule(port="nope"), "ingress port 'nope'"),
         (forward_rule(priority=0), "priority must be"),
         (forward_rule(dst_ip_prefix="10.0.0.1/8"), "host bits set"),
     ],
@@ -88,6 +88,16 @@ async def test_bad_rules_are_invalid_argument_and_change_nothing(memory_agent, r
     async with host_client.Client(agent.address) as client:
         with pytest.raises(host_client.InvalidArgumentError, match=fragment):
             await client.create_flow_rule("bad", rule)
+        assert await client.list_flow_rules() == []
+
+
+@pytest.mark.parametrize("rule", [forward_rule(to="nope"), forward_rule(port="nope")])
+async def test_a_rule_naming_a_port_that_does_not_exist_is_not_found(memory_agent, rule):
+    agent, _ = memory_agent
+    async with host_client.Client(agent.address) as client:
+        with pytest.raises(host_client.NotFoundError) as missing:
+            await client.create_flow_rule("bad", rule)
+        assert missing.value.message == "ports/nope does not exist"
         assert await client.list_flow_rules() == []
 
 
@@ -124,3 +134,38 @@ async def test_without_a_backend_the_service_says_why(agent):
             host_client.UnimplementedError, match=r"no network backend is configured"
         ):
             await client.list_ports()
+
+
+async def test_a_tenant_holds_a_bounded_number_of_counter_watches(memory_agent):
+    agent, _ = memory_agent
+    async with host_client.Client(agent.address) as client:
+        await client.create_flow_rule("w-1", forward_rule())
+        request = network_pb2.WatchFlowCountersRequest(names=["flowRules/w-1"])
+        watches = [client.stubs.network.WatchFlowCounters(request) for _ in range(16)]
+        try:
+            for watch in watches:
+                first = await watch.read()
+                assert isinstance(first, network_pb2.FlowCounterUpdate)
+                assert first.name == "flowRules/w-1"
+            extra = client.stubs.network.WatchFlowCounters(request)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await extra.read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "16 streams" in (refused.value.details() or "")
+            watches.pop().cancel()  # a slot comes back once the agent sees the cancel
+            async with asyncio.timeout(10):
+                while True:
+                    again = client.stubs.network.WatchFlowCounters(request)
+                    watches.append(again)
+                    try:
+                        update = await again.read()
+                        assert isinstance(update, network_pb2.FlowCounterUpdate)
+                        assert update.name == "flowRules/w-1"
+                        break
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            raise
+                    await asyncio.sleep(0.05)
+        finally:
+            for watch in watches:
+                watch.cancel()

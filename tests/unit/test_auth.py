@@ -161,6 +161,7 @@ def test_tokens_file_maps_token_digests_to_principals(tmp_path):
         ("[tokens]\n", "unknown key 'tokens'"),
         ("[[token]]\ntenant = 'a'\nsha256 = '" + "0" * 64 + "'\n", None),
         ("[[token\n", "invalid TOML"),
+        ("x = " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
     ],
 )
 def test_bad_tokens_files_are_refused(tmp_path, text, message):

@@ -45,8 +45,14 @@ def test_precedence_file_then_env_then_overrides(tmp_path):
         ('[agent]\nid = ""', "agent id is empty"),
         ('[agent]\nlisten = "nowhere"', "not host:port"),
         ('[agent]\nlisten = "h:70000"', "not host:port"),
-        ("[agent]\ngrace_period = -1", "between 0 and 3600"),
-        ("[agent]\ngrace_period = true", "between 0 and 3600"),
+        ("[agent]\ngrace_period = -1", "seconds in 0-3600 s"),
+        ("[agent]\ngrace_period = true", "seconds in 0-3600 s"),
+        ("[dataplane]\norphan_timeout = 0", "seconds in 0.5-3600 s"),
+        ("[dataplane]\nqueue_depth = 8.0", "integer in 1-1024"),
+        ("[mqtt]\ntelemetry_interval = 0.01", "0 = off, or 0.1-3600 s"),
+        ("[agent]\ngrace_period = nan", "seconds in 0-3600 s"),
+        ("[agent]\ngrace_period = inf", "seconds in 0-3600 s"),
+        ("a = " + "[" * 5000 + "]" * 5000, "nested too deeply"),
         ('[log]\nlevel = "loud"', "expected one of debug"),
     ],
 )
@@ -138,8 +144,8 @@ def test_dataplane_settings_from_the_environment(env, attr, value):
     ("env", "message"),
     [
         ({"DPU_AGENT_TRANSPORTS": "rdma"}, "comma list of verbs, tcp"),
-        ({"DPU_AGENT_QUEUE_DEPTH": "0"}, "from 1 to 1024"),
-        ({"DPU_AGENT_CHUNK_SIZE": "100"}, "from 4096"),
+        ({"DPU_AGENT_QUEUE_DEPTH": "0"}, "in 1-1024"),
+        ({"DPU_AGENT_CHUNK_SIZE": "100"}, "in 4096-16777216"),
         ({"DPU_AGENT_POLL_MODE": "spin"}, "adaptive, busy, event"),
     ],
 )
@@ -164,3 +170,79 @@ def test_cli_reports_verbs_without_a_device_clearly():
     assert proc.returncode == 2
     assert "configuration error: dataplane.transports names verbs" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def numeric_settings():
+    return [s for s in config.SETTINGS if isinstance(s.parse, config.Number)]
+
+
+def test_every_numeric_setting_has_bounds_and_its_default_is_inside_them():
+    defaults = config.AgentConfig()
+    numeric = {
+        f.name
+        for f in dataclasses.fields(config.AgentConfig)
+        if isinstance(getattr(defaults, f.name), int | float)
+        and not isinstance(getattr(defaults, f.name), bool)
+    }
+    assert {s.attr for s in numeric_settings()} == numeric
+    for setting in numeric_settings():
+        bounds = setting.parse
+        assert bounds.low <= bounds.high, setting.key
+        default = getattr(defaults, setting.attr)
+        assert bounds(default, "default") == default, setting.key
+
+
+@pytest.mark.parametrize("setting", numeric_settings(), ids=lambda s: f"{s.section}.{s.key}")
+def test_every_numeric_setting_refuses_values_outside_its_bounds(setting):
+    bounds = setting.parse
+    below = bounds.low - (0.25 if bounds.seconds else 1)
+    if bounds.off and below == 0:  # 0 is allowed there: it means off / no limit
+        below = bounds.low / 2 if bounds.seconds else None
+    outside = [str(bounds.high + 1), "-1", "x", ""]
+    if below is not None and not (bounds.off and below == 0):
+        outside.append(str(below))
+    for text in outside:
+        with pytest.raises(config.ConfigError, match=rf"\${setting.env}: .*{bounds.text}"):
+            config.load(None, environ={setting.env: text})
+    assert config.load(None, environ={setting.env: str(bounds.high)})
+
+
+def test_unicode_digits_are_a_config_error_not_a_crash():
+    with pytest.raises(config.ConfigError, match="QUEUE_DEPTH"):
+        config.load(None, environ={"DPU_AGENT_QUEUE_DEPTH": "\u00b2"})  # "2" superscript
+
+
+def run_cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "dpu_agent", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("DPU_AGENT_")},
+            **(env or {}),
+        },
+    )
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+@pytest.mark.parametrize(
+    ("text", "env", "fragment"),
+    [
+        ("[dataplane]\norphan_timeout = 0\n", {}, "dataplane.orphan_timeout: expected"),
+        ("", {"DPU_AGENT_ORPHAN_TIMEOUT": "0"}, "$DPU_AGENT_ORPHAN_TIMEOUT: expected"),
+        ("a = " + "[" * 3000 + "]" * 3000 + "\n", {}, "nested too deeply"),
+        ("x = {" * 3000 + "\n", {}, "invalid TOML"),
+        ('[agent]\n"bad\\nkey" = 1\n', {}, "unknown setting agent.bad\\nkey"),
+    ],
+)
+def test_a_bad_setting_or_file_is_one_line_on_stderr_and_exit_2(
+    tmp_path, command, text, env, fragment
+):
+    path = write(tmp_path, text + "[tls]\nplaintext_loopback = true\n")
+    proc = run_cli(command, "--config", str(path), env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("dpu-agent: configuration error: ")
+    assert fragment in proc.stderr

@@ -18,7 +18,7 @@ import pytest_asyncio
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpu_agent import config, metrics, request_context
+from dpu_agent import config, metrics, metrics_http, request_context
 from dpu_agent.dataplane import transports
 from dpu_agent.dataplane.admission import JobRequest
 from dpu_agent.dataplane.bus import CompletionBus
@@ -326,7 +326,7 @@ def scrape(url: str) -> dict[str, float]:
 async def test_the_endpoint_serves_the_registry_over_http():
     m = metrics.AgentMetrics("dpu-7", "0.1.0")
     m.on_completions(over(TRANSPORT_TCP), [finished()])
-    server = metrics.MetricsServer(m.registry)
+    server = metrics_http.MetricsServer(m.registry)
     address = server.start("127.0.0.1:0")
     try:
         assert address.startswith("127.0.0.1:")
@@ -349,14 +349,14 @@ def test_a_busy_address_raises():
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
         with pytest.raises(OSError, match="Address already in use"):
-            metrics.MetricsServer(metrics.AgentMetrics("a", "v").registry).start(
+            metrics_http.MetricsServer(metrics.AgentMetrics("a", "v").registry).start(
                 f"127.0.0.1:{port}"
             )
 
 
 def test_ipv6_urls_have_brackets():
-    assert metrics.split_listen("[::1]:9464") == ("::1", 9464)
-    server = metrics.MetricsServer(metrics.AgentMetrics("a", "v").registry)
+    assert metrics_http.split_listen("[::1]:9464") == ("::1", 9464)
+    server = metrics_http.MetricsServer(metrics.AgentMetrics("a", "v").registry)
     server.address = "[::1]:9464"
     assert server.url == "http://[::1]:9464/metrics"
 
@@ -381,3 +381,66 @@ def test_a_bad_metrics_listen_is_a_config_error(tmp_path):
     path.write_text('[metrics]\nlisten = "9464"\n')
     with pytest.raises(config.ConfigError, match=r"metrics\.listen: '9464' is not host:port"):
         config.load(path, environ={})
+
+
+def http(address: str, request: bytes) -> bytes:
+    host, port = metrics_http.split_listen(address)
+    with socket.create_connection((host, port), 5) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"200"),
+        (b"GET /?name=x HTTP/1.0\r\n\r\n", b"200"),
+        (b"HEAD /metrics HTTP/1.1\r\n\r\n", b"200"),
+        (b"GET /nope HTTP/1.1\r\n\r\n", b"404"),
+        (b"POST /metrics HTTP/1.1\r\n\r\n", b"405"),
+        (b"garbage\r\n\r\n", b"400"),
+        (b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n", b""),  # too long: closed
+    ],
+)
+def test_the_endpoint_answers_each_request_once_and_closes(request_bytes, status):
+    server = metrics_http.MetricsServer(metrics.AgentMetrics("a", "v").registry)
+    address = server.start("127.0.0.1:0")
+    try:
+        reply = http(address, request_bytes)
+    finally:
+        server.stop()
+    assert reply.startswith(b"HTTP/1.1 " + status) if status else reply == b""
+    if request_bytes.startswith(b"HEAD"):
+        assert reply.endswith(b"\r\n\r\n")
+    elif status == b"200":
+        assert b"dpu_agent_info{" in reply
+
+
+def test_connections_are_bounded_and_a_scraper_crowds_out_half_sent_ones():
+    server = metrics_http.MetricsServer(
+        metrics.AgentMetrics("a", "v").registry, max_connections=4, read_timeout=30
+    )
+    address = server.start("127.0.0.1:0")
+    host, port = metrics_http.split_listen(address)
+    held = [socket.create_connection((host, port), 5) for _ in range(10)]
+    try:
+        for sock in held:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # half a request
+        assert b"dpu_agent_info{" in http(address, b"GET /metrics HTTP/1.0\r\n\r\n")
+        closed = 0
+        for sock in held:
+            sock.settimeout(0.5)
+            try:
+                closed += sock.recv(1) == b""
+            except ConnectionResetError:
+                closed += 1
+            except TimeoutError:
+                pass
+        assert closed >= len(held) - 4 + 1  # at most 4 were open; the scrape took one more
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop()

@@ -115,7 +115,7 @@ def test_rules_on_port_sees_ingress_forward_and_mirror():
         FlowRule("mirror", 2, "p1", FlowMatch(), (Mirror("p0"),)),
         FlowRule("other", 3, "p1", FlowMatch(), (Forward("p2"),)),
     ]
-    assert rules_on_port(rules, "p0") == ["in", "mirror"]
+    assert [r.rule_id for r in rules_on_port(rules, "p0")] == ["in", "mirror"]
 
 
 def test_an_exported_volume_is_off_limits_to_everyone_else(parts):
