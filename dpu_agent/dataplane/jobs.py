@@ -270,6 +270,8 @@ class JobRunner:
         self.store.trim(self._owned_volume(volume_id), offset, length)
 
     async def _volume_write(self, job: JobRecord, buffer: Region) -> None:
+        if delay := self.store.throttle(job.volume_id, "write", job.source.length):  # QoS
+            await asyncio.sleep(delay)
         async for offset, view in self._read_all(job, buffer):
             await asyncio.to_thread(self._write, job.volume_id, job.offset + offset, view)
         if job.fua:
@@ -277,6 +279,8 @@ class JobRunner:
 
     async def _volume_read(self, job: JobRecord, buffer: Region) -> None:
         dst, out = job.destination, job.progress
+        if delay := self.store.throttle(job.volume_id, "read", dst.length):  # QoS
+            await asyncio.sleep(delay)
         for offset, size in self._chunks(dst.length):
             self._checkpoint(job)
             data = await asyncio.to_thread(self._read, job.volume_id, job.offset + offset, size)

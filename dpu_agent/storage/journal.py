@@ -148,15 +148,18 @@ class Journal(Generic[ImageT]):
             self.wait(self.appended)
             with self._lock:
                 images, self._images = self._images, []
-            for queued in images:
-                self._write_checkpoint(queued)
-            with self._lock:
                 image: ImageT | None = None
-                if self._since_checkpoint and not self._checkpointing:
+                if not images and self._since_checkpoint and not self._checkpointing:
                     self._checkpointing = True
                     image = self._capture(self._pos)
-            if image is not None:
-                self._write_checkpoint(image)
+            try:  # a last checkpoint only spares the next open some replay
+                for queued in [*images, *([image] if image is not None else [])]:
+                    self._write_checkpoint(queued)
+            except OSError as exc:
+                log.warning(
+                    "could not write a checkpoint at close; the log will be replayed at open",
+                    extra={"error": exc.strerror},
+                )
 
     @property
     def failed(self) -> bool:
