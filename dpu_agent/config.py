@@ -22,7 +22,7 @@ Example file (every key optional):
     chunk_size = 1048576          # bytes moved per RDMA op and staging buffer
 
     [storage]
-    backend = "file"              # file (sparse files + SQLite; survives restarts) or memory
+    backend = "file"              # file (a pool file + metadata log; survives crashes) or memory
     dir = ""                      # "" = $STATE_DIRECTORY/volumes (systemd) or
                                   # ~/.local/state/dpu-agent/volumes
 
