@@ -74,6 +74,7 @@ class Node:
     parent_limit: int = 0  # blocks below this may come from the parent
     cloned: bool = False  # the edge to the parent is a clone's (not the volume's own chain)
     children: list[Node] = dataclasses.field(default_factory=list, repr=False)
+    _info: VolumeInfo | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def blocks(self) -> int:
@@ -88,18 +89,26 @@ class Node:
         return n
 
     def volume_info(self) -> VolumeInfo:
-        """The VolumeInfo of a volume node."""
-        return VolumeInfo(
-            self.name,
-            self.size_bytes,
-            self.block_size,
-            self.services,
-            self.create_ns,
-            self.update_ns,
-            self.tenant,
-            self.qos,
-            self.source,
-        )
+        """The VolumeInfo of a volume node (made again only after a change)."""
+        info = self._info
+        if (
+            info is None
+            or info.size_bytes != self.size_bytes
+            or info.update_ns != self.update_ns
+            or info.qos is not self.qos
+        ):
+            info = self._info = VolumeInfo(
+                self.name,
+                self.size_bytes,
+                self.block_size,
+                self.services,
+                self.create_ns,
+                self.update_ns,
+                self.tenant,
+                self.qos,
+                self.source,
+            )
+        return info
 
     def snapshot_info(self) -> SnapshotInfo:
         """The SnapshotInfo of a snapshot node."""
