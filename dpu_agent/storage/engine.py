@@ -235,9 +235,11 @@ class CowVolumeStore(VolumeStore):
         header_ok = pool_header_valid(self._pool.pread(CHUNK, 0))
         loaded = load_newest(self._slots)
         if not header_ok:
-            if legacy is None and loaded is not None and not self._fresh(loaded):
+            # a new store, or one whose format never finished: nothing in it to keep
+            empty = self._fresh(loaded) if loaded is not None else self._pool.size() == 0
+            if legacy is None and not empty:
                 raise DataCorruption(
-                    "the volume pool's header is damaged but its checkpoints hold volumes; "
+                    "the volume pool's header is damaged but the store holds volumes; "
                     "refusing to format over them"
                 )
             self._format(legacy)

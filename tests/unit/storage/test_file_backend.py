@@ -367,3 +367,15 @@ def test_damage_helper_hits_the_file(tmp_path):
         flip_stored_byte(store, "v", 0)
         with pytest.raises(DataCorruption):
             store.read("v", 0, 4096)
+
+
+def test_a_pool_with_data_and_no_checkpoint_is_not_formatted_over(tmp_path):
+    with FileVolumeStore(tmp_path) as store:
+        store.create("v", MiB, 4096, DataServices())
+        store.write("v", 0, b"k" * 4096, fua=True)
+    with (tmp_path / "pool").open("r+b") as f:
+        f.write(b"garbage!")
+    for name in checkpoint.SLOTS:
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(DataCorruption, match="refusing to format over them"):
+        FileVolumeStore(tmp_path)
