@@ -60,7 +60,11 @@ COMMIT_INTERVAL_S: Final = 1.0  # pending records older than this are committed 
 COMMIT_BLOCKS: Final = 64  # pending log blocks that wake the thread at once
 EMERGENCY_CHUNKS: Final = 4  # reserve only changes that free space may use
 RESERVE_MAX: Final = 256  # log chunks kept in reserve beyond what is promised
-DEFAULT_CHECKPOINT_LOG_BYTES: Final = 4 << 20
+DEFAULT_CHECKPOINT_LOG_BYTES: Final = 1 << 20
+# Chunks the pool grows by when the log finds no free chunk with file space: written
+# with zeros in one go, so the file grows (and fdatasync journals its new size) once
+# per GROW_CHUNKS, not at every commit.
+GROW_CHUNKS: Final = 64
 
 
 class Image(Protocol):
@@ -200,6 +204,14 @@ class Journal(Generic[ImageT]):
         sector = self._space.take_backed()
         if sector is not None:
             return sector
+        run = self._space.take_fresh_run(GROW_CHUNKS)
+        try:
+            self._pool.pwrite(bytes(GROW_CHUNKS * CHUNK), run[0] * SECTOR)
+        except OSError:  # too little room for a run: one chunk may still fit
+            self._space.release(run, CHUNK, backed=False)
+        else:
+            self._space.release(run[1:], CHUNK, backed=True)
+            return run[0]
         sector = self._space.take_fresh()
         try:
             self._pool.pwrite(bytes(CHUNK), sector * SECTOR)

@@ -92,6 +92,13 @@ class SpaceMap:
         self.used_chunks += 1
         return chunk * SECTORS_PER_CHUNK
 
+    def take_fresh_run(self, count: int) -> list[int]:
+        """`count` adjacent chunks past the end of the pool (their sectors)."""
+        first = self.hwm
+        self.hwm += count
+        self.used_chunks += count
+        return [(first + i) * SECTORS_PER_CHUNK for i in range(count)]
+
     def release(self, sectors: Iterable[int], block_size: int, *, backed: bool) -> None:
         """Give back blocks that no record ever pointed to (free at once)."""
         for sector in sectors:
