@@ -1,11 +1,30 @@
-"""4 KiB random volume I/O through the agent vs pread/pwrite on a file, same run.
+"""Volume I/O through the agent and the store, each against its reference in the same run.
 
-- ours: an agent process (file backend, no data services, on the same file system),
-  the SDK over the tcp data plane: 4 KiB random writes, then reads, at queue depth 1
-  and 32 (capsule path: SEND, the agent's READ/WRITE of host memory, the store);
-- reference: os.pwrite/os.pread of 4 KiB at random offsets of a file of the same size
-  in the same directory, at depth 1 and with 32 threads.
-Neither side syncs per I/O (the agent's store writes to the page cache like pwrite).
+Through an agent process (file backend, volumes without data services, store on the
+same file system as the references), the SDK over the tcp data plane:
+
+- 4 KiB random writes, then reads, at queue depth 1 and 32 (capsule path), against
+  os.pwrite/os.pread of 4 KiB at random offsets of a file of the same size in the
+  same directory (depth 1, and 32 threads). Neither side syncs per I/O;
+- `4 KiB FUA write QD1`: random overwrites with FUA (durable when acknowledged)
+  against pwrite+fdatasync QD1 of random overwrites of a written file;
+- `4 KiB volume write QD1 p50` and `4 KiB volume read QD1 p50` against the p50 of a
+  4 KiB crc32c job at QD1 on the same session: what the store adds to the data
+  plane's own floor;
+- snapshot creation (CreateSnapshot, durable when it returns) of a 1 GiB and a 64
+  GiB sparse volume (each with 16 MiB written across it): the 64 GiB figure's
+  reference is the 1 GiB one (time independent of size: ratio ~1), the 1 GiB one's
+  a GetVolume call (the floor of any control call).
+
+In-process, the store alone (FileVolumeStore, same file system):
+
+- `4 KiB FUA write QD1, store`: write(fua=True) of random overwrites against
+  pwrite+fdatasync, without the data plane;
+- `4 KiB write, store CPU` / `4 KiB read, store CPU`: microseconds per non-FUA
+  4 KiB write/read of a volume without data services against os.pwrite/os.pread.
+
+The 64 GiB volume needs 64 GiB free on the file system (volumes are thin, but a
+volume larger than the free space is refused).
 """
 
 from __future__ import annotations
@@ -13,23 +32,51 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import host_client
 from bench.common import TAIL, Result, agent_process, write_results
+from dpu_agent.storage import DataServices, FileVolumeStore
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
 
 BLOCK = 4096
 VOLUME = 256 << 20
 OPS = 3000
 DEPTHS = (1, 32)
+FUA_OPS = 1000
+P50_OPS = 2000
+SNAPSHOTS = 30
+SNAPSHOT_SIZES = {"1 GiB": 1 << 30, "64 GiB": 64 << 30}
+CPU_OPS = 20000
 
 
-def _offsets(seed: int) -> list[int]:
+def _offsets(seed: int, count: int = OPS, size: int = VOLUME) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(VOLUME // BLOCK) * BLOCK for _ in range(OPS)]
+    return [rng.randrange(size // BLOCK) * BLOCK for _ in range(count)]
+
+
+def _p(latencies: list[float], q: float) -> float:
+    latencies = sorted(latencies)
+    return latencies[max(0, int(len(latencies) * q) - 1)]
+
+
+def _written_file(path: Path, size: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    chunk = os.urandom(1 << 20)
+    for at in range(0, size, len(chunk)):
+        os.pwrite(fd, chunk, at)
+    os.fsync(fd)
+    return fd
+
+
+# ------------------------------------------------------------------ references
 
 
 def reference(path: Path, depth: int, *, write: bool) -> tuple[float, float]:
@@ -57,8 +104,26 @@ def reference(path: Path, depth: int, *, write: bool) -> tuple[float, float]:
             list(pool.map(one, offsets))
     elapsed = time.perf_counter() - start
     os.close(fd)
-    latencies.sort()
-    return OPS / elapsed, latencies[int(len(latencies) * 0.99) - 1]
+    return OPS / elapsed, _p(latencies, 0.99)
+
+
+def fdatasync_reference(path: Path, size: int) -> float:
+    """IOPS of pwrite+fdatasync QD1, random 4 KiB overwrites of a written file."""
+    fd = _written_file(path, size)
+    data = os.urandom(BLOCK)
+    offsets = _offsets(3, FUA_OPS, size)
+    try:
+        start = time.perf_counter()
+        for offset in offsets:
+            os.pwrite(fd, data, offset)
+            os.fdatasync(fd)
+        return FUA_OPS / (time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+# ------------------------------------------------------------------ through the agent
 
 
 async def ours(target: str, depth: int, *, write: bool) -> tuple[float, float]:
@@ -89,8 +154,127 @@ async def ours(target: str, depth: int, *, write: bool) -> tuple[float, float]:
         await asyncio.gather(*(worker(b) for b in buffers))
         elapsed = time.perf_counter() - start
         await client.delete_volume(name)
-    latencies.sort()
-    return OPS / elapsed, latencies[int(len(latencies) * 0.99) - 1]
+    return OPS / elapsed, _p(latencies, 0.99)
+
+
+async def _timed(count: int, one: Callable[[int], Awaitable[object]]) -> list[float]:
+    latencies = []
+    for i in range(count):
+        start = time.perf_counter_ns()
+        await one(i)
+        latencies.append((time.perf_counter_ns() - start) / 1000)
+    return latencies
+
+
+async def qd1_figures(target: str, size: int) -> dict[str, float]:
+    """FUA IOPS, write/read/crc32c p50 (us), all QD1 on one tcp session."""
+    async with (
+        host_client.Client(target) as client,
+        await client.open_session(transport="tcp", queue_depth=1) as session,
+    ):
+        name = "volumes/bench-qd1"
+        await client.create_volume(name.removeprefix("volumes/"), size)
+        big = await session.alloc(1 << 20, readable=True)
+        big.view[:] = os.urandom(1 << 20)
+        for at in range(0, size, 1 << 20):  # overwrites, as the reference does
+            await session.write_volume(name, at, big)
+        buf = await session.alloc(BLOCK, readable=True, writable=True)
+        buf.view[:] = os.urandom(BLOCK)
+        fua = _offsets(3, FUA_OPS, size)
+        start = time.perf_counter()
+        for offset in fua:
+            await session.write_volume(name, offset, buf, fua=True)
+        fua_iops = FUA_OPS / (time.perf_counter() - start)
+        offsets = _offsets(4, P50_OPS, size)
+        writes = await _timed(P50_OPS, lambda i: session.write_volume(name, offsets[i], buf))
+        reads = await _timed(P50_OPS, lambda i: session.read_volume(name, offsets[i], buf))
+        crcs = await _timed(P50_OPS, lambda _: session.crc32c(buf))
+        await client.delete_volume(name)
+    return {
+        "fua_iops": fua_iops,
+        "write_p50": statistics.median(writes),
+        "read_p50": statistics.median(reads),
+        "crc_p50": statistics.median(crcs),
+    }
+
+
+async def snapshot_times(target: str) -> dict[str, float]:
+    """p50 us of CreateSnapshot per volume size, and of GetVolume."""
+    found: dict[str, float] = {}
+    async with (
+        host_client.Client(target) as client,
+        await client.open_session(transport="tcp") as session,
+    ):
+        buf = await session.alloc(1 << 20, readable=True)
+        buf.view[:] = os.urandom(1 << 20)
+        for label, size in SNAPSHOT_SIZES.items():
+            name = f"bench-snap-{label.replace(' ', '').lower()}"
+            await client.create_volume(name, size)
+            for at in _offsets(5, 16, size - (1 << 20)):  # 16 MiB across the volume
+                await session.write_volume(f"volumes/{name}", at // (1 << 20) * (1 << 20), buf)
+            times = []
+            for i in range(SNAPSHOTS):
+                start = time.perf_counter_ns()
+                await client.create_snapshot(f"{name}-{i}", f"volumes/{name}")
+                times.append((time.perf_counter_ns() - start) / 1000)
+                await session.write_volume(f"volumes/{name}", 0, buf)  # the next has data too
+            for i in range(SNAPSHOTS):
+                await client.delete_snapshot(f"snapshots/{name}-{i}")
+            await client.delete_volume(f"volumes/{name}")
+            found[label] = statistics.median(times)
+        await client.create_volume("bench-get", 1 << 20)
+        gets = await _timed(SNAPSHOTS, lambda _: client.get_volume("volumes/bench-get"))
+        await client.delete_volume("volumes/bench-get")
+        found["get"] = statistics.median(gets)
+    return found
+
+
+# ------------------------------------------------------------------ the store alone
+
+
+def store_figures(directory: Path, size: int) -> dict[str, float]:
+    """FUA IOPS and CPU us per 4 KiB write/read of the in-process store."""
+    data = os.urandom(BLOCK)
+    with FileVolumeStore(directory / "store") as store:
+        store.create("v", size, BLOCK, DataServices())
+        chunk = os.urandom(1 << 20)
+        for at in range(0, size, len(chunk)):
+            store.write("v", at, chunk)
+        store.flush("v")
+        offsets = _offsets(3, FUA_OPS, size)
+        start = time.perf_counter()
+        for offset in offsets:
+            store.write("v", offset, data, fua=True)
+        fua_iops = FUA_OPS / (time.perf_counter() - start)
+        offsets = _offsets(6, CPU_OPS, size)
+        start = time.process_time()
+        for offset in offsets:
+            store.write("v", offset, data)
+        write_us = (time.process_time() - start) / CPU_OPS * 1e6
+        store.flush("v")
+        start = time.process_time()
+        for offset in offsets:
+            store.read("v", offset, BLOCK)
+        read_us = (time.process_time() - start) / CPU_OPS * 1e6
+    fd = _written_file(directory / "cpu.ref", size)
+    try:
+        start = time.process_time()
+        for offset in offsets:
+            os.pwrite(fd, data, offset)
+        pwrite_us = (time.process_time() - start) / CPU_OPS * 1e6
+        start = time.process_time()
+        for offset in offsets:
+            os.pread(fd, BLOCK, offset)
+        pread_us = (time.process_time() - start) / CPU_OPS * 1e6
+    finally:
+        os.close(fd)
+    return {
+        "fua_iops": fua_iops,
+        "write_us": write_us,
+        "read_us": read_us,
+        "pwrite_us": pwrite_us,
+        "pread_us": pread_us,
+    }
 
 
 def main() -> list[Result]:
@@ -116,6 +300,77 @@ def main() -> list[Result]:
                         tolerance=TAIL,
                     ),
                 ]
+        qd1_size = 64 << 20
+        sync_iops = fdatasync_reference(Path(tmp) / "sync.img", qd1_size)
+        qd1 = asyncio.run(qd1_figures(target, qd1_size))
+        crc = "4 KiB crc32c job QD1 p50"
+        results += [
+            Result(
+                "4 KiB FUA write QD1", qd1["fua_iops"], sync_iops, "IOPS", "pwrite+fdatasync QD1"
+            ),
+            Result(
+                "4 KiB volume write QD1 p50",
+                qd1["write_p50"],
+                qd1["crc_p50"],
+                "us",
+                crc,
+                higher_is_better=False,
+            ),
+            Result(
+                "4 KiB volume read QD1 p50",
+                qd1["read_p50"],
+                qd1["crc_p50"],
+                "us",
+                crc,
+                higher_is_better=False,
+            ),
+        ]
+        snaps = asyncio.run(snapshot_times(target))
+        results += [
+            Result(
+                "snapshot creation, 1 GiB volume",
+                snaps["1 GiB"],
+                snaps["get"],
+                "us",
+                "GetVolume call",
+                higher_is_better=False,
+            ),
+            Result(
+                "snapshot creation, 64 GiB volume",
+                snaps["64 GiB"],
+                snaps["1 GiB"],
+                "us",
+                "snapshot creation, 1 GiB volume",
+                higher_is_better=False,
+            ),
+        ]
+        store = store_figures(Path(tmp), qd1_size)
+        store_sync = fdatasync_reference(Path(tmp) / "sync2.img", qd1_size)
+        results += [
+            Result(
+                "4 KiB FUA write QD1, store",
+                store["fua_iops"],
+                store_sync,
+                "IOPS",
+                "pwrite+fdatasync QD1",
+            ),
+            Result(
+                "4 KiB write, store CPU",
+                store["write_us"],
+                store["pwrite_us"],
+                "us",
+                "os.pwrite CPU",
+                higher_is_better=False,
+            ),
+            Result(
+                "4 KiB read, store CPU",
+                store["read_us"],
+                store["pread_us"],
+                "us",
+                "os.pread CPU",
+                higher_is_better=False,
+            ),
+        ]
     write_results("storage_io", results)
     return results
 

@@ -33,7 +33,7 @@ Example file (every key optional):
     op_timeout = 30.0             # seconds a tcp host may leave a READ/WRITE unanswered
 
     [storage]
-    backend = "file"              # file (sparse files + SQLite; survives restarts) or memory
+    backend = "file"              # file (a pool file + metadata log; survives crashes) or memory
     dir = ""                      # "" = $STATE_DIRECTORY/volumes (systemd) or
                                   # ~/.local/state/dpu-agent/volumes
 

@@ -50,6 +50,12 @@ with the agent):
     volume_ops_total{volume,op}                op read or write (the store's counters)
     volume_bytes_total{volume,op}
     volume_errors_total{volume}
+    volume_throttled_total{volume}             reads and writes its QoS limits delayed
+    volume_throttle_seconds_total{volume}      the delay they were given
+    volume_qos_limit{volume,limit}             gauge: the limits set (read_iops, write_iops,
+                                               read_bytes_per_second, write_bytes_per_second)
+    volume_allocated_bytes{volume}             gauge: bytes the volume's own blocks hold
+    snapshot_allocated_bytes{snapshot}         gauge: bytes a snapshot holds
     flow_rules{port}                           gauge: rules installed per ingress port
 
 The MQTT families appear only with ``[mqtt] enabled``, the volume families with a
@@ -60,6 +66,7 @@ standard ``process_*`` metrics (CPU, memory, file descriptors).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import logging
 from typing import TYPE_CHECKING, Final
@@ -367,6 +374,22 @@ class _StateCollector(Collector):
         errors = CounterMetricFamily(
             f"{PREFIX}_volume_errors", "Failed volume calls", labels=["volume"]
         )
+        throttled = CounterMetricFamily(
+            f"{PREFIX}_volume_throttled", "Volume I/O delayed by QoS limits", labels=["volume"]
+        )
+        delay = CounterMetricFamily(
+            f"{PREFIX}_volume_throttle_seconds",
+            "Delay QoS limits gave volume I/O",
+            labels=["volume"],
+        )
+        limits = GaugeMetricFamily(
+            f"{PREFIX}_volume_qos_limit", "QoS limits set on volumes", labels=["volume", "limit"]
+        )
+        allocated = GaugeMetricFamily(
+            f"{PREFIX}_volume_allocated_bytes",
+            "Bytes a volume's own blocks hold",
+            labels=["volume"],
+        )
         for volume in self.store.list():
             stats = self.store.stats(volume.volume_id)
             name = volume.volume_id
@@ -375,7 +398,18 @@ class _StateCollector(Collector):
             moved.add_metric([name, "read"], stats.read_bytes)
             moved.add_metric([name, "write"], stats.write_bytes)
             errors.add_metric([name], stats.errors)
-        return [ops, moved, errors]
+            throttled.add_metric([name], stats.throttled_ops)
+            delay.add_metric([name], stats.throttle_delay_us / 1_000_000)
+            allocated.add_metric([name], stats.allocated_bytes)
+            for limit, value in dataclasses.asdict(volume.qos).items():
+                if value:
+                    limits.add_metric([name, limit], value)
+        held = GaugeMetricFamily(
+            f"{PREFIX}_snapshot_allocated_bytes", "Bytes a snapshot holds", labels=["snapshot"]
+        )
+        for snapshot in self.store.list_snapshots():
+            held.add_metric([snapshot.snapshot_id], snapshot.allocated_bytes)
+        return [ops, moved, errors, throttled, delay, limits, allocated, held]
 
     def _flows(self) -> list[Metric]:
         assert self.flows is not None  # noqa: S101 - checked by collect()

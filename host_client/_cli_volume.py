@@ -1,4 +1,4 @@
-"""`dpuctl volume ...`: volumes on the DPU, and moving file data in and out of them."""
+"""`dpuctl volume ...`: volumes, snapshots, clones and QoS on the DPU, and file data in and out."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     create.add_argument(
         "--key-file", type=Path, help="64-byte AES-XTS key (default: the agent makes one)"
     )
+    _add_qos_options(create)
     act.add_parser("list", help="every volume")
     get = act.add_parser("get", help="a volume's settings and stats, or its data with --output")
     get.add_argument("name")
@@ -64,22 +65,91 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     resize.add_argument("name")
     resize.add_argument("--size", type=size, required=True)
     resize.add_argument("--force", action="store_true")
-    delete = act.add_parser("delete", help="delete a volume and its data")
+    delete = act.add_parser("delete", help="delete a volume and its data (its snapshots stay)")
     delete.add_argument("name")
+    qos = act.add_parser(
+        "qos", help="change a volume's QoS limits (only those given; 0 removes a limit)"
+    )
+    qos.add_argument("name")
+    _add_qos_options(qos)
+    clone = act.add_parser(
+        "clone", help="a new volume that starts as a snapshot (shares its blocks)"
+    )
+    clone.add_argument("snapshot", help="snapshots/{id} or {id}")
+    clone.add_argument("name", help="the new volume: volumes/{id} or {id}")
+    clone.add_argument("--size", type=size, default=0, help="default: the snapshot's size")
+    _add_qos_options(clone)
+    snapshot = act.add_parser("snapshot", help="read-only point-in-time snapshots of volumes")
+    snap = snapshot.add_subparsers(dest="snapshot_action", required=True, metavar="ACTION")
+    snap_create = snap.add_parser("create", help="snapshot a volume now")
+    snap_create.add_argument("volume", help="volumes/{id} or {id}")
+    snap_create.add_argument("snapshot", help="snapshots/{id} or {id}")
+    snap_list = snap.add_parser("list", help="every snapshot, or a volume's")
+    snap_list.add_argument("--volume", help="only the snapshots of this volume")
+    snap_get = snap.add_parser("get", help="a snapshot's settings, size held and clones")
+    snap_get.add_argument("snapshot")
+    snap_delete = snap.add_parser("delete", help="delete a snapshot (not while it has clones)")
+    snap_delete.add_argument("snapshot")
+
+
+QOS_OPTIONS: Final = {  # option -> QosLimits field
+    "--read-iops": "read_iops",
+    "--write-iops": "write_iops",
+    "--read-bps": "read_bytes_per_second",
+    "--write-bps": "write_bytes_per_second",
+}
+
+
+def _add_qos_options(parser: argparse.ArgumentParser) -> None:
+    for option, field in QOS_OPTIONS.items():
+        unit = "bytes/s, e.g. 100M" if field.endswith("second") else "operations/s"
+        parser.add_argument(option, dest=field, type=size, help=f"QoS limit ({unit})")
+
+
+def _qos(args: argparse.Namespace) -> tuple[storage_pb2.QosLimits, list[str]]:
+    """The QoS limits given on the command line, and which fields were given."""
+    given = {f: getattr(args, f) for f in QOS_OPTIONS.values() if getattr(args, f) is not None}
+    return storage_pb2.QosLimits(**given), sorted(given)
+
+
+def _snapshot_name(text: str) -> str:
+    return text if text.startswith("snapshots/") else f"snapshots/{text}"
 
 
 def _name(text: str) -> str:
     return text if text.startswith("volumes/") else f"volumes/{text}"
 
 
-def _line(v: storage_pb2.Volume) -> str:
-    services = [
-        "crc32c" if v.data_services.crc32c else "",
-        storage_pb2.Compression.Name(v.data_services.compression).removeprefix("COMPRESSION_"),
-        storage_pb2.Encryption.Name(v.data_services.encryption).removeprefix("ENCRYPTION_"),
+def _services_text(services: storage_pb2.DataServices) -> str:
+    parts = [
+        "crc32c" if services.crc32c else "",
+        storage_pb2.Compression.Name(services.compression).removeprefix("COMPRESSION_"),
+        storage_pb2.Encryption.Name(services.encryption).removeprefix("ENCRYPTION_"),
     ]
-    shown = ",".join(s.lower() for s in services if s and s != "NONE") or "none"
-    return f"{v.name:<32} {v.size_bytes:>14} B  block {v.block_size:<5} services {shown}"
+    return ",".join(s.lower() for s in parts if s and s != "NONE") or "none"
+
+
+def _line(v: storage_pb2.Volume) -> str:
+    line = (
+        f"{v.name:<32} {v.size_bytes:>14} B  block {v.block_size:<5} "
+        f"services {_services_text(v.data_services)}"
+    )
+    limits = [f"{f}={getattr(v.qos, f)}" for f in QOS_OPTIONS.values() if getattr(v.qos, f)]
+    if limits:
+        line += f"  qos {','.join(limits)}"
+    if v.source_snapshot:
+        line += f"  clone of {v.source_snapshot}"
+    return line
+
+
+def _snapshot_line(s: storage_pb2.Snapshot) -> str:
+    line = (
+        f"{s.name:<32} of {s.source_volume:<28} {s.size_bytes:>14} B  "
+        f"holds {s.allocated_bytes} B  services {_services_text(s.data_services)}"
+    )
+    if s.clones:
+        line += f"  clones {','.join(s.clones)}"
+    return line
 
 
 class Progress:
@@ -209,8 +279,57 @@ async def _create(client: Client, args: argparse.Namespace) -> int:
         compression=args.compression,
         encryption=args.encryption,
         key=key,
+        qos=_qos(args)[0],
     )
     return _show(volume, args)
+
+
+async def _set_qos(client: Client, args: argparse.Namespace) -> int:
+    limits, fields = _qos(args)
+    if not fields:
+        raise InvalidArgumentError(
+            "INVALID_ARGUMENT", f"give at least one of {', '.join(QOS_OPTIONS)}"
+        )
+    return _show(await client.set_volume_qos(_name(args.name), limits, fields=fields), args)
+
+
+async def _clone(client: Client, args: argparse.Namespace) -> int:
+    volume = await client.clone_volume(
+        _name(args.name).removeprefix("volumes/"),
+        _snapshot_name(args.snapshot),
+        size_bytes=args.size,
+        qos=_qos(args)[0],
+    )
+    return _show(volume, args)
+
+
+async def _snapshot(client: Client, args: argparse.Namespace) -> int:
+    action = args.snapshot_action
+    if action == "list":
+        snaps = await client.list_snapshots(_name(args.volume) if args.volume else "")
+        if args.json:
+            print(json.dumps([json_format.MessageToDict(s) for s in snaps], indent=2))
+        else:
+            for snap in snaps:
+                print(_snapshot_line(snap))
+            if not snaps:
+                print("no snapshots")
+        return 0
+    if action == "delete":
+        await client.delete_snapshot(_snapshot_name(args.snapshot))
+        print(f"deleted {_snapshot_name(args.snapshot)}")
+        return 0
+    if action == "create":
+        snap = await client.create_snapshot(
+            _snapshot_name(args.snapshot).removeprefix("snapshots/"), _name(args.volume)
+        )
+    else:
+        snap = await client.get_snapshot(_snapshot_name(args.snapshot))
+    if args.json:
+        print(json_format.MessageToJson(snap, preserving_proto_field_name=True))
+    else:
+        print(_snapshot_line(snap))
+    return 0
 
 
 async def _list(client: Client, args: argparse.Namespace) -> int:
@@ -248,6 +367,9 @@ ACTIONS: Final[dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]]]
     "put": _put,
     "resize": _resize,
     "delete": _delete,
+    "qos": _set_qos,
+    "clone": _clone,
+    "snapshot": _snapshot,
 }
 
 

@@ -7,6 +7,7 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Final, Literal, Self, TypeVar
 
+from google.protobuf import field_mask_pb2
 from grpc_health.v1 import health_pb2
 
 from dpu_wire.transport.base import TransportError
@@ -216,11 +217,13 @@ class Client:
         compression: str = "none",
         encryption: str = "none",
         key: bytes | None = None,
+        qos: storage_pb2.QosLimits | None = None,
     ) -> storage_pb2.Volume:
         """Create a volume on the DPU.
 
         `compression`: none, lz4, zstd; `encryption`: none or aes-xts-256 with a 64-byte
-        `key` (None: the agent generates one and keeps it sealed).
+        `key` (None: the agent generates one and keeps it sealed); `qos`: I/O limits
+        (`storage_pb2.QosLimits`, 0 = no limit; none by default).
         """
         if compression not in _COMPRESSIONS or encryption not in _ENCRYPTIONS:
             raise InvalidArgumentError(
@@ -238,11 +241,46 @@ class Client:
                     compression=_COMPRESSIONS[compression],
                     encryption=_ENCRYPTIONS[encryption],
                 ),
+                qos=qos,
             ),
             encryption_key=key or b"",
             request_id=uuid.uuid4().hex,
         )
         return await self._call(self.stubs.storage.CreateVolume, request)
+
+    async def clone_volume(
+        self,
+        volume_id: str,
+        snapshot: str,
+        *,
+        size_bytes: int = 0,
+        qos: storage_pb2.QosLimits | None = None,
+    ) -> storage_pb2.Volume:
+        """Create a volume as a clone of `snapshot` ("snapshots/{id}"), sharing its blocks.
+
+        The clone has the snapshot's block size, data services and key; `size_bytes` 0
+        means the snapshot's size, a larger one reads zeros past it.
+        """
+        request = storage_pb2.CreateVolumeRequest(
+            volume_id=volume_id,
+            volume=storage_pb2.Volume(size_bytes=size_bytes, source_snapshot=snapshot, qos=qos),
+            request_id=uuid.uuid4().hex,
+        )
+        return await self._call(self.stubs.storage.CreateVolume, request)
+
+    async def set_volume_qos(
+        self, name: str, qos: storage_pb2.QosLimits, *, fields: list[str] | None = None
+    ) -> storage_pb2.Volume:
+        """Change a volume's QoS limits: all four, or the `fields` named (e.g. "read_iops")."""
+        paths = ["qos"] if fields is None else [f"qos.{f}" for f in fields]
+        return await self._call(
+            self.stubs.storage.UpdateVolume,
+            storage_pb2.UpdateVolumeRequest(
+                volume=storage_pb2.Volume(name=name, qos=qos),
+                update_mask=field_mask_pb2.FieldMask(paths=paths),
+                request_id=uuid.uuid4().hex,
+            ),
+        )
 
     async def get_volume(self, name: str) -> storage_pb2.Volume:
         """One volume ("volumes/{id}") with its statistics."""
@@ -270,10 +308,42 @@ class Client:
         )
 
     async def delete_volume(self, name: str) -> None:
-        """Delete a volume and its data."""
+        """Delete a volume and its data (its snapshots stay)."""
         await self._call(
             self.stubs.storage.DeleteVolume,
             storage_pb2.DeleteVolumeRequest(name=name, request_id=uuid.uuid4().hex),
+        )
+
+    async def create_snapshot(self, snapshot_id: str, volume: str) -> storage_pb2.Snapshot:
+        """A read-only point-in-time snapshot of `volume` ("volumes/{id}"), durable when done."""
+        return await self._call(
+            self.stubs.storage.CreateSnapshot,
+            storage_pb2.CreateSnapshotRequest(
+                snapshot_id=snapshot_id,
+                snapshot=storage_pb2.Snapshot(source_volume=volume),
+                request_id=uuid.uuid4().hex,
+            ),
+        )
+
+    async def get_snapshot(self, name: str) -> storage_pb2.Snapshot:
+        """One snapshot ("snapshots/{id}")."""
+        return await self._call(
+            self.stubs.storage.GetSnapshot, storage_pb2.GetSnapshotRequest(name=name)
+        )
+
+    async def list_snapshots(self, volume: str = "") -> list[storage_pb2.Snapshot]:
+        """Every snapshot (all pages), or those of `volume` ("volumes/{id}")."""
+        return await self._all_pages(
+            self.stubs.storage.ListSnapshots,
+            lambda token: storage_pb2.ListSnapshotsRequest(page_token=token, source_volume=volume),
+            lambda page: page.snapshots,
+        )
+
+    async def delete_snapshot(self, name: str) -> None:
+        """Delete a snapshot (FailedPreconditionError while volumes were cloned from it)."""
+        await self._call(
+            self.stubs.storage.DeleteSnapshot,
+            storage_pb2.DeleteSnapshotRequest(name=name, request_id=uuid.uuid4().hex),
         )
 
     async def list_ports(self) -> list[network_pb2.Port]:

@@ -47,7 +47,4 @@ class TenantVolumes:
 
     def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
         """Seconds to wait before this I/O under the volume's QoS limits (0: none)."""
-        throttle = getattr(self._store, "throttle", None)
-        if throttle is None:
-            return 0.0
-        return float(throttle(volume_id, op, nbytes))
+        return self._store.throttle(volume_id, op, nbytes)

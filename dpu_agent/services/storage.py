@@ -1,9 +1,15 @@
-"""StorageService: block volumes on the DPU (a thin gRPC layer over the volume store).
+"""StorageService: block volumes, snapshots and clones on the DPU (a thin gRPC layer).
 
-Every volume belongs to the tenant that created it (kept in the store's catalog). A
-tenant sees, resizes and deletes only its own volumes; another tenant's volume answers
-NOT_FOUND exactly as a missing one does. Admins see all. Create and resize are held to
-the tenant's quota (`[quota] max_volumes`, `max_volume_bytes`).
+Every volume belongs to the tenant that created it (kept in the store's metadata); a
+snapshot belongs to its volume's tenant, a clone to its snapshot's. A tenant sees,
+changes and deletes only its own; another tenant's volume or snapshot answers
+NOT_FOUND exactly as a missing one does. Admins see all.
+
+Quotas (`[quota] max_volumes`, `max_volume_bytes`) bound what a tenant can come to
+hold, so that no write ever fails on a quota: its volumes count their provisioned
+size (a clone too: it may be overwritten in full), its snapshots the bytes they hold
+(what was written before them, which they keep while the volume moves on). They are
+checked by create, clone, growth and snapshot.
 """
 
 from __future__ import annotations
@@ -15,17 +21,17 @@ from typing import TYPE_CHECKING, Any, Final
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument
 from dpu_agent.quota import Quotas
-from dpu_agent.services.convert import timestamp
-from dpu_agent.storage import Compression, DataServices, Encryption
+from dpu_agent.services.convert import resource_id, timestamp
+from dpu_agent.storage import Compression, DataServices, Encryption, QosLimits
 from dpu_wire import names
 from dpu_wire.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 
 if TYPE_CHECKING:
     import grpc
 
-    from dpu_agent.storage import VolumeInfo, VolumeStats, VolumeStore
+    from dpu_agent.storage import SnapshotInfo, VolumeInfo, VolumeStats, VolumeStore
 
-MAX_REMEMBERED_CREATES: Final = 4096  # request ids kept for idempotent CreateVolume
+MAX_REMEMBERED_CREATES: Final = 4096  # request ids kept for idempotent creates
 
 _COMPRESSION: Final = {
     storage_pb2.COMPRESSION_UNSPECIFIED: Compression.NONE,
@@ -47,6 +53,14 @@ _ENCRYPTION_OUT: Final = {
     Encryption.NONE: storage_pb2.ENCRYPTION_NONE,
     Encryption.AES_XTS_256: storage_pb2.ENCRYPTION_AES_XTS_256,
 }
+QOS_FIELDS: Final = (
+    "read_iops",
+    "write_iops",
+    "read_bytes_per_second",
+    "write_bytes_per_second",
+)
+# update_mask path -> the QoS fields it changes
+_UPDATABLE: Final = {"qos": QOS_FIELDS, **{f"qos.{f}": (f,) for f in QOS_FIELDS}}
 
 
 def volume_id(name: str) -> str:
@@ -55,21 +69,43 @@ def volume_id(name: str) -> str:
     return ident
 
 
+def snapshot_id(name: str) -> str:
+    """The id in "snapshots/{id}"."""
+    (ident,) = names.parse_name(name, "snapshots")
+    return ident
+
+
+def _services(services: DataServices) -> storage_pb2.DataServices:
+    return storage_pb2.DataServices(
+        crc32c=services.crc32c,
+        compression=_COMPRESSION_OUT[services.compression],
+        encryption=_ENCRYPTION_OUT[services.encryption],
+    )
+
+
+def qos_from(qos: storage_pb2.QosLimits) -> QosLimits:
+    """QosLimits from the API form (the store checks the ranges)."""
+    return QosLimits(**{f: getattr(qos, f) for f in QOS_FIELDS})
+
+
+def qos_to(qos: QosLimits) -> storage_pb2.QosLimits:
+    """The API form of QosLimits."""
+    return storage_pb2.QosLimits(**{f: getattr(qos, f) for f in QOS_FIELDS})
+
+
 def to_proto(info: VolumeInfo, stats: VolumeStats | None = None) -> storage_pb2.Volume:
     """The API form of a volume (never its key)."""
     volume = storage_pb2.Volume(
         name=f"volumes/{info.volume_id}",
         size_bytes=info.size_bytes,
         block_size=info.block_size,
-        data_services=storage_pb2.DataServices(
-            crc32c=info.services.crc32c,
-            compression=_COMPRESSION_OUT[info.services.compression],
-            encryption=_ENCRYPTION_OUT[info.services.encryption],
-        ),
+        data_services=_services(info.services),
         tenant=info.tenant,
         times=common_pb2.ResourceTimes(
             create_time=timestamp(info.create_ns), update_time=timestamp(info.update_ns)
         ),
+        qos=qos_to(info.qos),
+        source_snapshot=f"snapshots/{info.source_snapshot}" if info.source_snapshot else "",
     )
     if stats is not None:
         volume.stats.CopyFrom(
@@ -81,20 +117,45 @@ def to_proto(info: VolumeInfo, stats: VolumeStats | None = None) -> storage_pb2.
                 errors=stats.errors,
                 latency_bounds_us=stats.latency_bounds_us,
                 latency_counts=stats.latency_counts,
+                throttled_ops=stats.throttled_ops,
+                throttle_delay_us=stats.throttle_delay_us,
+                allocated_bytes=stats.allocated_bytes,
             )
         )
     return volume
 
 
+def snapshot_to(info: SnapshotInfo) -> storage_pb2.Snapshot:
+    """The API form of a snapshot (never its key)."""
+    return storage_pb2.Snapshot(
+        name=f"snapshots/{info.snapshot_id}",
+        source_volume=f"volumes/{info.source_volume}",
+        size_bytes=info.size_bytes,
+        block_size=info.block_size,
+        data_services=_services(info.services),
+        tenant=info.tenant,
+        times=common_pb2.ResourceTimes(
+            create_time=timestamp(info.create_ns), update_time=timestamp(info.create_ns)
+        ),
+        allocated_bytes=info.allocated_bytes,
+        clones=[f"volumes/{c}" for c in info.clones],
+    )
+
+
 class StorageService(storage_pb2_grpc.StorageServiceServicer):
-    """Create, inspect, resize and delete volumes; the store does the work in a thread."""
+    """Volumes, snapshots and clones; the store does the work in a thread."""
 
     def __init__(self, store: VolumeStore, quotas: Quotas | None = None) -> None:
         self._store = store
         self._quotas = quotas or Quotas()
-        # (tenant, request_id) -> volume id, for idempotent create; oldest forgotten first
-        self._created: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
-        self._changes = asyncio.Lock()  # create/resize/delete: ownership and quota checks hold
+        # (kind, tenant, request_id) -> id made, for idempotent creates; oldest forgotten first
+        self._created: collections.OrderedDict[tuple[str, str, str], str] = (
+            collections.OrderedDict()
+        )
+        # changes that need ownership and quota checks to hold while they run
+        self._changes = asyncio.Lock()
+
+    # ------------------------------------------------------------ helpers
 
     async def _owned(self, ident: str) -> VolumeInfo:
         """The volume, if the caller may see it; NotFound as for a missing one otherwise."""
@@ -102,23 +163,47 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         auth.check_owner(info.tenant, f"volume {ident!r}")  # the store's own not-found text
         return info
 
+    async def _owned_snapshot(self, ident: str) -> SnapshotInfo:
+        info = await asyncio.to_thread(self._store.get_snapshot, ident)
+        auth.check_owner(info.tenant, f"snapshot {ident!r}")
+        return info
+
     async def _volume(self, ident: str) -> storage_pb2.Volume:
         info = await self._owned(ident)
         stats = await asyncio.to_thread(self._store.stats, ident)
         return to_proto(info, stats)
 
-    async def _tenant_volumes(self, tenant: str) -> list[VolumeInfo]:
-        return [v for v in await asyncio.to_thread(self._store.list) if v.tenant == tenant]
+    async def _check_quota(self, tenant: str, volumes: int, more_bytes: int) -> None:
+        """The tenant's holdings plus `volumes` volumes and `more_bytes` would fit its quota."""
+        owned = [v for v in await asyncio.to_thread(self._store.list) if v.tenant == tenant]
+        snaps = [
+            s for s in await asyncio.to_thread(self._store.list_snapshots) if s.tenant == tenant
+        ]
+        held = sum(v.size_bytes for v in owned) + sum(s.allocated_bytes for s in snaps)
+        self._quotas.check_volumes(tenant, len(owned) + volumes, held + more_bytes)
+
+    def _remembered(self, kind: str, tenant: str, request_id: str) -> str | None:
+        return self._created.get((kind, tenant, request_id)) if request_id else None
+
+    def _remember(self, kind: str, tenant: str, request_id: str, ident: str) -> None:
+        if request_id:
+            self._created[kind, tenant, request_id] = ident
+            while len(self._created) > MAX_REMEMBERED_CREATES:
+                self._created.popitem(last=False)
+
+    # ------------------------------------------------------------ volumes
 
     async def CreateVolume(
         self, request: storage_pb2.CreateVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> storage_pb2.Volume:
-        """Create a volume with its data services; the key is sealed, never returned."""
+        """Create a volume with its data services (the key sealed, never returned), or a clone."""
         tenant = auth.tenant()
-        remembered = (tenant, request.request_id)
-        if request.request_id and remembered in self._created:
-            return await self._volume(self._created[remembered])
+        done = self._remembered("volume", tenant, request.request_id)
+        if done is not None:
+            return await self._volume(done)
         spec = request.volume
+        if spec.source_snapshot:
+            return await self._clone(request, tenant)
         if spec.size_bytes == 0:
             raise InvalidArgument("volume.size_bytes is required")
         services = DataServices(
@@ -127,10 +212,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
             encryption=_ENCRYPTION[spec.data_services.encryption],
         )
         async with self._changes:
-            owned = await self._tenant_volumes(tenant)
-            self._quotas.check_volumes(
-                tenant, len(owned) + 1, sum(v.size_bytes for v in owned) + spec.size_bytes
-            )
+            await self._check_quota(tenant, 1, spec.size_bytes)
             info = await asyncio.to_thread(
                 lambda: self._store.create(
                     request.volume_id,
@@ -139,12 +221,33 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
                     services,
                     request.encryption_key or None,
                     tenant=tenant,
+                    qos=qos_from(spec.qos),
                 )
             )
-        if request.request_id:
-            self._created[remembered] = info.volume_id
-            while len(self._created) > MAX_REMEMBERED_CREATES:
-                self._created.popitem(last=False)
+        self._remember("volume", tenant, request.request_id, info.volume_id)
+        return to_proto(info)
+
+    async def _clone(
+        self, request: storage_pb2.CreateVolumeRequest, tenant: str
+    ) -> storage_pb2.Volume:
+        spec = request.volume
+        source = resource_id(spec.source_snapshot, "snapshots", "volume.source_snapshot")
+        if spec.HasField("data_services") or spec.block_size or request.encryption_key:
+            raise InvalidArgument(
+                "a clone (volume.source_snapshot) takes its block size, data services and key "
+                "from its snapshot: leave volume.block_size, volume.data_services and "
+                "encryption_key unset"
+            )
+        async with self._changes:
+            snap = await self._owned_snapshot(source)
+            size = spec.size_bytes or snap.size_bytes
+            await self._check_quota(snap.tenant, 1, size)
+            info = await asyncio.to_thread(
+                lambda: self._store.clone(
+                    source, request.volume_id, size, tenant=snap.tenant, qos=qos_from(spec.qos)
+                )
+            )
+        self._remember("volume", tenant, request.request_id, info.volume_id)
         return to_proto(info)
 
     async def GetVolume(
@@ -168,6 +271,32 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
             volumes=[to_proto(v) for v in page], next_page_token=token
         )
 
+    async def UpdateVolume(
+        self, request: storage_pb2.UpdateVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> storage_pb2.Volume:
+        """Change a volume's QoS limits (the fields the update mask names)."""
+        ident = volume_id(request.volume.name)
+        paths = list(request.update_mask.paths) or ["qos"]
+        fields: set[str] = set()
+        for path in paths:
+            if path not in _UPDATABLE:
+                raise InvalidArgument(
+                    f"update_mask: cannot update {path!r} (only {', '.join(sorted(_UPDATABLE))})"
+                )
+            fields.update(_UPDATABLE[path])
+        async with self._changes:
+            info = await self._owned(ident)
+            given = request.volume.qos
+            qos = QosLimits(
+                **{
+                    f: getattr(given, f) if f in fields else getattr(info.qos, f)
+                    for f in QOS_FIELDS
+                }
+            )
+            updated = await asyncio.to_thread(self._store.set_qos, ident, qos)
+        stats = await asyncio.to_thread(self._store.stats, ident)
+        return to_proto(updated, stats)
+
     async def ResizeVolume(
         self, request: storage_pb2.ResizeVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> storage_pb2.Volume:
@@ -176,9 +305,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         async with self._changes:
             info = await self._owned(ident)
             if request.size_bytes > info.size_bytes:
-                owned = await self._tenant_volumes(info.tenant)
-                total = sum(v.size_bytes for v in owned) - info.size_bytes + request.size_bytes
-                self._quotas.check_volumes(info.tenant, len(owned), total)
+                await self._check_quota(info.tenant, 0, request.size_bytes - info.size_bytes)
             resized = await asyncio.to_thread(
                 lambda: self._store.resize(ident, request.size_bytes, force=request.force)
             )
@@ -187,9 +314,70 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     async def DeleteVolume(
         self, request: storage_pb2.DeleteVolumeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> storage_pb2.DeleteVolumeResponse:
-        """Delete a volume and its data."""
+        """Delete a volume and its data (its snapshots stay)."""
         ident = volume_id(request.name)
         async with self._changes:
             await self._owned(ident)
             await asyncio.to_thread(self._store.delete, ident)
         return storage_pb2.DeleteVolumeResponse()
+
+    # ------------------------------------------------------------ snapshots
+
+    async def CreateSnapshot(
+        self,
+        request: storage_pb2.CreateSnapshotRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> storage_pb2.Snapshot:
+        """A read-only point-in-time snapshot of a volume."""
+        tenant = auth.tenant()
+        done = self._remembered("snapshot", tenant, request.request_id)
+        if done is not None:
+            return snapshot_to(await self._owned_snapshot(done))
+        source = resource_id(request.snapshot.source_volume, "volumes", "snapshot.source_volume")
+        async with self._changes:
+            volume = await self._owned(source)
+            held = (await asyncio.to_thread(self._store.stats, source)).allocated_bytes
+            await self._check_quota(volume.tenant, 0, held)  # the snapshot takes them over
+            info = await asyncio.to_thread(self._store.create_snapshot, source, request.snapshot_id)
+        self._remember("snapshot", tenant, request.request_id, info.snapshot_id)
+        return snapshot_to(info)
+
+    async def GetSnapshot(
+        self, request: storage_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> storage_pb2.Snapshot:
+        """One snapshot."""
+        return snapshot_to(await self._owned_snapshot(snapshot_id(request.name)))
+
+    async def ListSnapshots(
+        self,
+        request: storage_pb2.ListSnapshotsRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> storage_pb2.ListSnapshotsResponse:
+        """A page of the caller's snapshots (an admin's: every one), of one volume if asked."""
+        principal = auth.current_principal()
+        source = ""
+        if request.source_volume:
+            source = resource_id(request.source_volume, "volumes", "source_volume")
+        snaps = [
+            s
+            for s in await asyncio.to_thread(self._store.list_snapshots)
+            if principal.can_see(s.tenant) and (not source or s.source_volume == source)
+        ]
+        page, token = paging.page(
+            snaps, lambda s: s.snapshot_id, request.page_size, request.page_token
+        )
+        return storage_pb2.ListSnapshotsResponse(
+            snapshots=[snapshot_to(s) for s in page], next_page_token=token
+        )
+
+    async def DeleteSnapshot(
+        self,
+        request: storage_pb2.DeleteSnapshotRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> storage_pb2.DeleteSnapshotResponse:
+        """Delete a snapshot (FAILED_PRECONDITION while it has clones)."""
+        ident = snapshot_id(request.name)
+        async with self._changes:
+            await self._owned_snapshot(ident)
+            await asyncio.to_thread(self._store.delete_snapshot, ident)
+        return storage_pb2.DeleteSnapshotResponse()

@@ -1,12 +1,13 @@
 """The agent's volume store: block volumes on the DPU with per-block data services.
 
-`VolumeStore` is the interface the storage service uses; `FileVolumeStore` (sparse
-files and SQLite, the default) and `MemoryVolumeStore` implement it. `open_store`
+`VolumeStore` is the interface the storage service uses; `FileVolumeStore` (a pool
+file and a metadata log, the default) and `MemoryVolumeStore` implement it, both on
+the copy-on-write engine (`engine.py`) with snapshots, clones and QoS. `open_store`
 picks one by name, as the agent's configuration does.
 """
 
 from dpu_agent.storage.backend import VolumeStore
-from dpu_agent.storage.blockstore import DEFAULT_MAX_VOLUME_BYTES
+from dpu_agent.storage.engine import DEFAULT_MAX_VOLUME_BYTES
 from dpu_agent.storage.errors import DataCorruption
 from dpu_agent.storage.factory import BACKENDS, open_store
 from dpu_agent.storage.file_backend import FileVolumeStore
@@ -17,6 +18,8 @@ from dpu_agent.storage.types import (
     Compression,
     DataServices,
     Encryption,
+    QosLimits,
+    SnapshotInfo,
     VolumeInfo,
     VolumeStats,
 )
@@ -32,6 +35,8 @@ __all__ = [
     "Encryption",
     "FileVolumeStore",
     "MemoryVolumeStore",
+    "QosLimits",
+    "SnapshotInfo",
     "VolumeInfo",
     "VolumeStats",
     "VolumeStore",

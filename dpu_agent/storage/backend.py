@@ -9,12 +9,18 @@ The API is synchronous and thread-safe; the gRPC service calls it through
 `asyncio.to_thread`. Every method raises domain errors only (`dpu_agent.errors`,
 `dpu_agent.storage.errors.DataCorruption`):
 
-- InvalidArgument: a bad id, size, block size, key, or an I/O range that is unaligned,
-  empty, negative or past the end of the volume; nothing is written.
-- NotFound: no volume with that id. AlreadyExists: create with an id in use.
-- FailedPrecondition: shrinking over data without `force`, or the store is closed.
+- InvalidArgument: a bad id, size, block size, key, QoS limit, or an I/O range that
+  is unaligned, empty, negative or past the end of the volume; nothing is written.
+- NotFound: no volume (or snapshot) with that id. AlreadyExists: an id in use.
+- FailedPrecondition: shrinking over data without `force`, deleting a snapshot that
+  has clones, a snapshot chain at its limit, or the store is closed.
 - ResourceExhausted: the volume does not fit (size limit, free space), disk full.
 - DataCorruption: a block failed its CRC32C check or could not be decoded.
+- Unavailable: the backing storage failed (the agent must restart to recover).
+
+Snapshots are read-only point-in-time images of a volume, made in a time that does
+not depend on the volume's size; a clone is a new writable volume that starts as a
+snapshot's image and shares its blocks until it overwrites them.
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ if TYPE_CHECKING:
     import builtins
     from types import TracebackType
 
-    from dpu_agent.storage.types import DataServices, VolumeInfo, VolumeStats
+    from dpu_agent.storage.types import (
+        DataServices,
+        QosLimits,
+        SnapshotInfo,
+        VolumeInfo,
+        VolumeStats,
+    )
 
 
 class VolumeStore(abc.ABC):
@@ -44,13 +56,15 @@ class VolumeStore(abc.ABC):
         key: bytes | None = None,
         *,
         tenant: str = DEFAULT_TENANT,
+        qos: QosLimits | None = None,
     ) -> VolumeInfo:
         """Create a volume that reads as zeros, owned by `tenant`.
 
         `key` is the 64-byte AES-XTS-256 key of an encrypted volume; None makes the
         store generate one. The store keeps the key sealed and never returns it. The
         owner is kept with the volume (`VolumeInfo.tenant`); the store does not check
-        it, the services do (`dpu_agent.auth`).
+        it, the services do (`dpu_agent.auth`). `qos` sets its I/O limits (none by
+        default).
         """
 
     @abc.abstractmethod
@@ -90,6 +104,59 @@ class VolumeStore(abc.ABC):
     @abc.abstractmethod
     def stats(self, volume_id: str) -> VolumeStats:
         """I/O counters of the volume since the store opened it."""
+
+    @abc.abstractmethod
+    def set_qos(self, volume_id: str, qos: QosLimits) -> VolumeInfo:
+        """Change the volume's QoS limits (durably); its token buckets start full."""
+
+    @abc.abstractmethod
+    def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
+        """Reserve one `op` ("read" or "write") of `nbytes` against the volume's QoS limits.
+
+        Returns the seconds the caller must wait before doing the I/O (0.0 when it is
+        within its limits, or the volume is unknown: the I/O itself reports that).
+        Never blocks and never refuses: the caller waits (asynchronously), then does
+        the I/O. Cheap enough for the event loop's thread.
+        """
+
+    @abc.abstractmethod
+    def create_snapshot(self, volume_id: str, snapshot_id: str) -> SnapshotInfo:
+        """A read-only image of the volume as it is now (every acknowledged write), durably.
+
+        The snapshot belongs to the volume's tenant and outlives the volume.
+        """
+
+    @abc.abstractmethod
+    def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        """Describe a snapshot."""
+
+    @abc.abstractmethod
+    def list_snapshots(self) -> builtins.list[SnapshotInfo]:
+        """Every snapshot, sorted by id."""
+
+    @abc.abstractmethod
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot, freeing the blocks nothing else uses.
+
+        FailedPrecondition if volumes were cloned from it (delete them first).
+        """
+
+    @abc.abstractmethod
+    def clone(
+        self,
+        snapshot_id: str,
+        volume_id: str,
+        size_bytes: int = 0,
+        *,
+        tenant: str | None = None,
+        qos: QosLimits | None = None,
+    ) -> VolumeInfo:
+        """A new writable volume that reads as the snapshot, sharing its blocks.
+
+        It has the snapshot's block size, data services and key; `size_bytes` 0 means
+        the snapshot's size, and a larger one reads zeros past it. `tenant` None: the
+        snapshot's.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:

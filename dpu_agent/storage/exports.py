@@ -7,6 +7,12 @@ which volume; `GuardedVolumeStore` is the store every other user (the storage se
 data-plane sessions) goes through, and it refuses I/O, resize and delete of an
 exported volume with FailedPrecondition naming the function. The export itself uses
 the unguarded store.
+
+A snapshot of an exported volume is allowed, and crash-consistent: it holds every
+write the block device acknowledged before the snapshot, and none after, exactly
+what the disk would hold after a power cut at that instant (what the host still had
+in its page cache is not in it, as after a crash; freeze the filesystem first, e.g.
+`fsfreeze`, for a clean one). QoS limits may change while exported too.
 """
 
 from __future__ import annotations
@@ -21,7 +27,13 @@ from dpu_agent.storage.backend import VolumeStore
 if TYPE_CHECKING:
     import builtins
 
-    from dpu_agent.storage.types import DataServices, VolumeInfo, VolumeStats
+    from dpu_agent.storage.types import (
+        DataServices,
+        QosLimits,
+        SnapshotInfo,
+        VolumeInfo,
+        VolumeStats,
+    )
 
 
 class VolumeExports:
@@ -76,9 +88,12 @@ class GuardedVolumeStore(VolumeStore):
         key: bytes | None = None,
         *,
         tenant: str = DEFAULT_TENANT,
+        qos: QosLimits | None = None,
     ) -> VolumeInfo:
         """See `VolumeStore.create`."""
-        return self.inner.create(volume_id, size_bytes, block_size, services, key, tenant=tenant)
+        return self.inner.create(
+            volume_id, size_bytes, block_size, services, key, tenant=tenant, qos=qos
+        )
 
     def get(self, volume_id: str) -> VolumeInfo:
         """See `VolumeStore.get`."""
@@ -123,6 +138,42 @@ class GuardedVolumeStore(VolumeStore):
     def stats(self, volume_id: str) -> VolumeStats:
         """See `VolumeStore.stats`."""
         return self.inner.stats(volume_id)
+
+    def set_qos(self, volume_id: str, qos: QosLimits) -> VolumeInfo:
+        """See `VolumeStore.set_qos` (allowed while exported)."""
+        return self.inner.set_qos(volume_id, qos)
+
+    def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
+        """See `VolumeStore.throttle`."""
+        return self.inner.throttle(volume_id, op, nbytes)
+
+    def create_snapshot(self, volume_id: str, snapshot_id: str) -> SnapshotInfo:
+        """See `VolumeStore.create_snapshot`; crash-consistent while exported (module doc)."""
+        return self.inner.create_snapshot(volume_id, snapshot_id)
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        """See `VolumeStore.get_snapshot`."""
+        return self.inner.get_snapshot(snapshot_id)
+
+    def list_snapshots(self) -> builtins.list[SnapshotInfo]:
+        """See `VolumeStore.list_snapshots`."""
+        return self.inner.list_snapshots()
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """See `VolumeStore.delete_snapshot`."""
+        self.inner.delete_snapshot(snapshot_id)
+
+    def clone(
+        self,
+        snapshot_id: str,
+        volume_id: str,
+        size_bytes: int = 0,
+        *,
+        tenant: str | None = None,
+        qos: QosLimits | None = None,
+    ) -> VolumeInfo:
+        """See `VolumeStore.clone`."""
+        return self.inner.clone(snapshot_id, volume_id, size_bytes, tenant=tenant, qos=qos)
 
     def close(self) -> None:
         """Close the store underneath."""

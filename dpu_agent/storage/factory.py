@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Final
 
 from dpu_agent.errors import InvalidArgument
-from dpu_agent.storage.blockstore import DEFAULT_MAX_VOLUME_BYTES
+from dpu_agent.storage.engine import DEFAULT_MAX_VOLUME_BYTES
 from dpu_agent.storage.file_backend import FileVolumeStore
 from dpu_agent.storage.memory_backend import MemoryVolumeStore
 

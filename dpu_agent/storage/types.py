@@ -56,6 +56,32 @@ class DataServices:
 
 
 @dataclasses.dataclass(frozen=True)
+class QosLimits:
+    """Per-volume I/O limits, enforced by token buckets on the DPU; 0 = no limit.
+
+    An operation is one read or write call (one job); bytes count its length.
+    """
+
+    read_iops: int = 0
+    write_iops: int = 0
+    read_bytes_per_second: int = 0
+    write_bytes_per_second: int = 0
+
+    @property
+    def any(self) -> bool:
+        """True if at least one limit is set."""
+        return bool(
+            self.read_iops
+            or self.write_iops
+            or self.read_bytes_per_second
+            or self.write_bytes_per_second
+        )
+
+
+NO_QOS: Final = QosLimits()
+
+
+@dataclasses.dataclass(frozen=True)
 class VolumeInfo:
     """What the store tells about a volume. Never carries its key."""
 
@@ -66,11 +92,33 @@ class VolumeInfo:
     create_ns: int  # wall clock, ns since the epoch
     update_ns: int  # last change of size or settings
     tenant: str = DEFAULT_TENANT  # the owner (volumes made before tenants: "default")
+    qos: QosLimits = NO_QOS
+    source_snapshot: str = ""  # a clone: the id of the snapshot it was made from
 
     @property
     def blocks(self) -> int:
         """Number of blocks in the volume."""
         return self.size_bytes // self.block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotInfo:
+    """A read-only point-in-time image of a volume. Never carries its key.
+
+    `allocated_bytes` is what the snapshot holds on the store: the blocks written to
+    its volume before it was taken (and since the snapshot before it), which it keeps
+    when the volume overwrites them. `clones` are the volumes made from it.
+    """
+
+    snapshot_id: str
+    source_volume: str  # the id of the volume it was taken of (kept after that volume goes)
+    size_bytes: int
+    block_size: int
+    services: DataServices
+    create_ns: int
+    tenant: str
+    allocated_bytes: int = 0
+    clones: tuple[str, ...] = ()
 
 
 # Latency histogram bucket upper bounds, in microseconds (inclusive). The last bound
@@ -103,6 +151,10 @@ class VolumeStats:
     and trim calls on the volume (bad arguments, CRC mismatches, I/O errors).
     `latency_counts[i]` counts successful reads and writes that took at most
     `latency_bounds_us[i]` microseconds (and more than the bound before it).
+    `throttled_ops` counts reads and writes its QoS limits delayed, `throttle_delay_us`
+    the delay they were given in total. `allocated_bytes` is a gauge, not a counter:
+    the bytes of blocks the volume itself holds now (blocks it shares with a snapshot
+    are the snapshot's).
     """
 
     read_ops: int = 0
@@ -112,3 +164,6 @@ class VolumeStats:
     errors: int = 0
     latency_bounds_us: tuple[int, ...] = LATENCY_BOUNDS_US
     latency_counts: tuple[int, ...] = (0,) * len(LATENCY_BOUNDS_US)
+    throttled_ops: int = 0
+    throttle_delay_us: int = 0
+    allocated_bytes: int = 0

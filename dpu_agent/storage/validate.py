@@ -18,14 +18,19 @@ if TYPE_CHECKING:
 U64_MAX: Final = (1 << 64) - 1
 
 
-def check_volume_id(volume_id: object) -> str:
+def check_volume_id(volume_id: object, what: str = "volume_id") -> str:
     """A volume id is a resource id (`dpu_wire.names.check_id`)."""
     if not isinstance(volume_id, str):
-        raise InvalidArgument(f"volume_id must be a string, not {type(volume_id).__name__}")
+        raise InvalidArgument(f"{what} must be a string, not {type(volume_id).__name__}")
     try:
-        return names.check_id(volume_id, "volume_id")
+        return names.check_id(volume_id, what)
     except names.InvalidNameError as exc:
         raise InvalidArgument(str(exc)) from None
+
+
+def check_snapshot_id(snapshot_id: object) -> str:
+    """A snapshot id is a resource id too."""
+    return check_volume_id(snapshot_id, "snapshot_id")
 
 
 def _check_int(value: object, what: str) -> int:
@@ -79,6 +84,11 @@ def check_fits(size_bytes: int, free_bytes: int) -> None:
 
 def check_range(info: VolumeInfo, offset: object, length: object) -> tuple[int, int]:
     """An I/O range: aligned whole blocks inside the volume. Returns (first block, count)."""
+    return check_range_in(info.size_bytes, info.block_size, offset, length)
+
+
+def check_range_in(size_bytes: int, bs: int, offset: object, length: object) -> tuple[int, int]:
+    """`check_range` for a volume of `size_bytes` in blocks of `bs` bytes."""
     offset = _check_int(offset, "offset")
     length = _check_int(length, "length")
     if offset < 0:
@@ -87,15 +97,13 @@ def check_range(info: VolumeInfo, offset: object, length: object) -> tuple[int, 
         raise InvalidArgument(f"length {length} is not positive")
     if offset > U64_MAX or length > U64_MAX:
         raise InvalidArgument("offset or length does not fit in 64 bits")
-    bs = info.block_size
     if offset % bs:
         raise InvalidArgument(f"offset {offset} is not a multiple of the block size {bs}")
     if length % bs:
         raise InvalidArgument(f"length {length} is not a multiple of the block size {bs}")
-    if offset + length > info.size_bytes:
+    if offset + length > size_bytes:
         raise InvalidArgument(
-            f"offset {offset} + length {length} is past the end of the volume "
-            f"({info.size_bytes} bytes)"
+            f"offset {offset} + length {length} is past the end of the volume ({size_bytes} bytes)"
         )
     return offset // bs, length // bs
 

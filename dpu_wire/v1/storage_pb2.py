@@ -24,39 +24,58 @@ _sym_db = _symbol_database.Default()
 
 
 from dpu_wire.v1 import common_pb2 as dpu_dot_v1_dot_common__pb2
+from google.protobuf import field_mask_pb2 as google_dot_protobuf_dot_field__mask__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64pu/v1/storage.proto\x12\x06\x64pu.v1\x1a\x13\x64pu/v1/common.proto\"p\n\x0c\x44\x61taServices\x12\x0e\n\x06\x63rc32c\x18\x01 \x01(\x08\x12(\n\x0b\x63ompression\x18\x02 \x01(\x0e\x32\x13.dpu.v1.Compression\x12&\n\nencryption\x18\x03 \x01(\x0e\x32\x12.dpu.v1.Encryption\"\x9e\x01\n\x0bVolumeStats\x12\x10\n\x08read_ops\x18\x01 \x01(\x04\x12\x11\n\twrite_ops\x18\x02 \x01(\x04\x12\x12\n\nread_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bwrite_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x05 \x01(\x04\x12\x19\n\x11latency_bounds_us\x18\x06 \x03(\x04\x12\x16\n\x0elatency_counts\x18\x07 \x03(\x04\"\xc5\x01\n\x06Volume\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12+\n\rdata_services\x18\x04 \x01(\x0b\x32\x14.dpu.v1.DataServices\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12$\n\x05times\x18\x06 \x01(\x0b\x32\x15.dpu.v1.ResourceTimes\x12\"\n\x05stats\x18\x07 \x01(\x0b\x32\x13.dpu.v1.VolumeStats\"t\n\x13\x43reateVolumeRequest\x12\x11\n\tvolume_id\x18\x01 \x01(\t\x12\x1e\n\x06volume\x18\x02 \x01(\x0b\x32\x0e.dpu.v1.Volume\x12\x16\n\x0e\x65ncryption_key\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\" \n\x10GetVolumeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\";\n\x12ListVolumesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"O\n\x13ListVolumesResponse\x12\x1f\n\x07volumes\x18\x01 \x03(\x0b\x32\x0e.dpu.v1.Volume\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"Z\n\x13ResizeVolumeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"7\n\x13\x44\x65leteVolumeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x16\n\x14\x44\x65leteVolumeResponse*k\n\x0b\x43ompression\x12\x1b\n\x17\x43OMPRESSION_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x01\x12\x13\n\x0f\x43OMPRESSION_LZ4\x10\x02\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x03*Y\n\nEncryption\x12\x1a\n\x16\x45NCRYPTION_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NCRYPTION_NONE\x10\x01\x12\x1a\n\x16\x45NCRYPTION_AES_XTS_256\x10\x02\x32\xd4\x02\n\x0eStorageService\x12;\n\x0c\x43reateVolume\x12\x1b.dpu.v1.CreateVolumeRequest\x1a\x0e.dpu.v1.Volume\x12\x35\n\tGetVolume\x12\x18.dpu.v1.GetVolumeRequest\x1a\x0e.dpu.v1.Volume\x12\x46\n\x0bListVolumes\x12\x1a.dpu.v1.ListVolumesRequest\x1a\x1b.dpu.v1.ListVolumesResponse\x12;\n\x0cResizeVolume\x12\x1b.dpu.v1.ResizeVolumeRequest\x1a\x0e.dpu.v1.Volume\x12I\n\x0c\x44\x65leteVolume\x12\x1b.dpu.v1.DeleteVolumeRequest\x1a\x1c.dpu.v1.DeleteVolumeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64pu/v1/storage.proto\x12\x06\x64pu.v1\x1a\x13\x64pu/v1/common.proto\x1a google/protobuf/field_mask.proto\"p\n\x0c\x44\x61taServices\x12\x0e\n\x06\x63rc32c\x18\x01 \x01(\x08\x12(\n\x0b\x63ompression\x18\x02 \x01(\x0e\x32\x13.dpu.v1.Compression\x12&\n\nencryption\x18\x03 \x01(\x0e\x32\x12.dpu.v1.Encryption\"\xe9\x01\n\x0bVolumeStats\x12\x10\n\x08read_ops\x18\x01 \x01(\x04\x12\x11\n\twrite_ops\x18\x02 \x01(\x04\x12\x12\n\nread_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bwrite_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x05 \x01(\x04\x12\x19\n\x11latency_bounds_us\x18\x06 \x03(\x04\x12\x16\n\x0elatency_counts\x18\x07 \x03(\x04\x12\x15\n\rthrottled_ops\x18\x08 \x01(\x04\x12\x19\n\x11throttle_delay_us\x18\t \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\n \x01(\x04\"q\n\tQosLimits\x12\x11\n\tread_iops\x18\x01 \x01(\x04\x12\x12\n\nwrite_iops\x18\x02 \x01(\x04\x12\x1d\n\x15read_bytes_per_second\x18\x03 \x01(\x04\x12\x1e\n\x16write_bytes_per_second\x18\x04 \x01(\x04\"\xfe\x01\n\x06Volume\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12+\n\rdata_services\x18\x04 \x01(\x0b\x32\x14.dpu.v1.DataServices\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12$\n\x05times\x18\x06 \x01(\x0b\x32\x15.dpu.v1.ResourceTimes\x12\"\n\x05stats\x18\x07 \x01(\x0b\x32\x13.dpu.v1.VolumeStats\x12\x1e\n\x03qos\x18\x08 \x01(\x0b\x32\x11.dpu.v1.QosLimits\x12\x17\n\x0fsource_snapshot\x18\t \x01(\t\"t\n\x13\x43reateVolumeRequest\x12\x11\n\tvolume_id\x18\x01 \x01(\t\x12\x1e\n\x06volume\x18\x02 \x01(\x0b\x32\x0e.dpu.v1.Volume\x12\x16\n\x0e\x65ncryption_key\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\" \n\x10GetVolumeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\";\n\x12ListVolumesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"O\n\x13ListVolumesResponse\x12\x1f\n\x07volumes\x18\x01 \x03(\x0b\x32\x0e.dpu.v1.Volume\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"Z\n\x13ResizeVolumeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"7\n\x13\x44\x65leteVolumeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x16\n\x14\x44\x65leteVolumeResponse\"z\n\x13UpdateVolumeRequest\x12\x1e\n\x06volume\x18\x01 \x01(\x0b\x32\x0e.dpu.v1.Volume\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xe3\x01\n\x08Snapshot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rsource_volume\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12+\n\rdata_services\x18\x05 \x01(\x0b\x32\x14.dpu.v1.DataServices\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12$\n\x05times\x18\x07 \x01(\x0b\x32\x15.dpu.v1.ResourceTimes\x12\x17\n\x0f\x61llocated_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06\x63lones\x18\t \x03(\t\"d\n\x15\x43reateSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\"\n\x08snapshot\x18\x02 \x01(\x0b\x32\x10.dpu.v1.Snapshot\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\"\n\x12GetSnapshotRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"T\n\x14ListSnapshotsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x15\n\rsource_volume\x18\x03 \x01(\t\"U\n\x15ListSnapshotsResponse\x12#\n\tsnapshots\x18\x01 \x03(\x0b\x32\x10.dpu.v1.Snapshot\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"9\n\x15\x44\x65leteSnapshotRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x18\n\x16\x44\x65leteSnapshotResponse*k\n\x0b\x43ompression\x12\x1b\n\x17\x43OMPRESSION_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x01\x12\x13\n\x0f\x43OMPRESSION_LZ4\x10\x02\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x03*Y\n\nEncryption\x12\x1a\n\x16\x45NCRYPTION_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NCRYPTION_NONE\x10\x01\x12\x1a\n\x16\x45NCRYPTION_AES_XTS_256\x10\x02\x32\xb0\x05\n\x0eStorageService\x12;\n\x0c\x43reateVolume\x12\x1b.dpu.v1.CreateVolumeRequest\x1a\x0e.dpu.v1.Volume\x12\x35\n\tGetVolume\x12\x18.dpu.v1.GetVolumeRequest\x1a\x0e.dpu.v1.Volume\x12\x46\n\x0bListVolumes\x12\x1a.dpu.v1.ListVolumesRequest\x1a\x1b.dpu.v1.ListVolumesResponse\x12;\n\x0cUpdateVolume\x12\x1b.dpu.v1.UpdateVolumeRequest\x1a\x0e.dpu.v1.Volume\x12;\n\x0cResizeVolume\x12\x1b.dpu.v1.ResizeVolumeRequest\x1a\x0e.dpu.v1.Volume\x12I\n\x0c\x44\x65leteVolume\x12\x1b.dpu.v1.DeleteVolumeRequest\x1a\x1c.dpu.v1.DeleteVolumeResponse\x12\x41\n\x0e\x43reateSnapshot\x12\x1d.dpu.v1.CreateSnapshotRequest\x1a\x10.dpu.v1.Snapshot\x12;\n\x0bGetSnapshot\x12\x1a.dpu.v1.GetSnapshotRequest\x1a\x10.dpu.v1.Snapshot\x12L\n\rListSnapshots\x12\x1c.dpu.v1.ListSnapshotsRequest\x1a\x1d.dpu.v1.ListSnapshotsResponse\x12O\n\x0e\x44\x65leteSnapshot\x12\x1d.dpu.v1.DeleteSnapshotRequest\x1a\x1e.dpu.v1.DeleteSnapshotResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dpu.v1.storage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPRESSION']._serialized_start=995
-  _globals['_COMPRESSION']._serialized_end=1102
-  _globals['_ENCRYPTION']._serialized_start=1104
-  _globals['_ENCRYPTION']._serialized_end=1193
-  _globals['_DATASERVICES']._serialized_start=53
-  _globals['_DATASERVICES']._serialized_end=165
-  _globals['_VOLUMESTATS']._serialized_start=168
-  _globals['_VOLUMESTATS']._serialized_end=326
-  _globals['_VOLUME']._serialized_start=329
-  _globals['_VOLUME']._serialized_end=526
-  _globals['_CREATEVOLUMEREQUEST']._serialized_start=528
-  _globals['_CREATEVOLUMEREQUEST']._serialized_end=644
-  _globals['_GETVOLUMEREQUEST']._serialized_start=646
-  _globals['_GETVOLUMEREQUEST']._serialized_end=678
-  _globals['_LISTVOLUMESREQUEST']._serialized_start=680
-  _globals['_LISTVOLUMESREQUEST']._serialized_end=739
-  _globals['_LISTVOLUMESRESPONSE']._serialized_start=741
-  _globals['_LISTVOLUMESRESPONSE']._serialized_end=820
-  _globals['_RESIZEVOLUMEREQUEST']._serialized_start=822
-  _globals['_RESIZEVOLUMEREQUEST']._serialized_end=912
-  _globals['_DELETEVOLUMEREQUEST']._serialized_start=914
-  _globals['_DELETEVOLUMEREQUEST']._serialized_end=969
-  _globals['_DELETEVOLUMERESPONSE']._serialized_start=971
-  _globals['_DELETEVOLUMERESPONSE']._serialized_end=993
-  _globals['_STORAGESERVICE']._serialized_start=1196
-  _globals['_STORAGESERVICE']._serialized_end=1536
+  _globals['_COMPRESSION']._serialized_start=2026
+  _globals['_COMPRESSION']._serialized_end=2133
+  _globals['_ENCRYPTION']._serialized_start=2135
+  _globals['_ENCRYPTION']._serialized_end=2224
+  _globals['_DATASERVICES']._serialized_start=87
+  _globals['_DATASERVICES']._serialized_end=199
+  _globals['_VOLUMESTATS']._serialized_start=202
+  _globals['_VOLUMESTATS']._serialized_end=435
+  _globals['_QOSLIMITS']._serialized_start=437
+  _globals['_QOSLIMITS']._serialized_end=550
+  _globals['_VOLUME']._serialized_start=553
+  _globals['_VOLUME']._serialized_end=807
+  _globals['_CREATEVOLUMEREQUEST']._serialized_start=809
+  _globals['_CREATEVOLUMEREQUEST']._serialized_end=925
+  _globals['_GETVOLUMEREQUEST']._serialized_start=927
+  _globals['_GETVOLUMEREQUEST']._serialized_end=959
+  _globals['_LISTVOLUMESREQUEST']._serialized_start=961
+  _globals['_LISTVOLUMESREQUEST']._serialized_end=1020
+  _globals['_LISTVOLUMESRESPONSE']._serialized_start=1022
+  _globals['_LISTVOLUMESRESPONSE']._serialized_end=1101
+  _globals['_RESIZEVOLUMEREQUEST']._serialized_start=1103
+  _globals['_RESIZEVOLUMEREQUEST']._serialized_end=1193
+  _globals['_DELETEVOLUMEREQUEST']._serialized_start=1195
+  _globals['_DELETEVOLUMEREQUEST']._serialized_end=1250
+  _globals['_DELETEVOLUMERESPONSE']._serialized_start=1252
+  _globals['_DELETEVOLUMERESPONSE']._serialized_end=1274
+  _globals['_UPDATEVOLUMEREQUEST']._serialized_start=1276
+  _globals['_UPDATEVOLUMEREQUEST']._serialized_end=1398
+  _globals['_SNAPSHOT']._serialized_start=1401
+  _globals['_SNAPSHOT']._serialized_end=1628
+  _globals['_CREATESNAPSHOTREQUEST']._serialized_start=1630
+  _globals['_CREATESNAPSHOTREQUEST']._serialized_end=1730
+  _globals['_GETSNAPSHOTREQUEST']._serialized_start=1732
+  _globals['_GETSNAPSHOTREQUEST']._serialized_end=1766
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_start=1768
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_end=1852
+  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_start=1854
+  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_end=1939
+  _globals['_DELETESNAPSHOTREQUEST']._serialized_start=1941
+  _globals['_DELETESNAPSHOTREQUEST']._serialized_end=1998
+  _globals['_DELETESNAPSHOTRESPONSE']._serialized_start=2000
+  _globals['_DELETESNAPSHOTRESPONSE']._serialized_end=2024
+  _globals['_STORAGESERVICE']._serialized_start=2227
+  _globals['_STORAGESERVICE']._serialized_end=2915
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,11 @@ class StorageServiceStub:
                 request_serializer=dpu_dot_v1_dot_storage__pb2.ListVolumesRequest.SerializeToString,
                 response_deserializer=dpu_dot_v1_dot_storage__pb2.ListVolumesResponse.FromString,
                 _registered_method=True)
+        self.UpdateVolume = channel.unary_unary(
+                '/dpu.v1.StorageService/UpdateVolume',
+                request_serializer=dpu_dot_v1_dot_storage__pb2.UpdateVolumeRequest.SerializeToString,
+                response_deserializer=dpu_dot_v1_dot_storage__pb2.Volume.FromString,
+                _registered_method=True)
         self.ResizeVolume = channel.unary_unary(
                 '/dpu.v1.StorageService/ResizeVolume',
                 request_serializer=dpu_dot_v1_dot_storage__pb2.ResizeVolumeRequest.SerializeToString,
@@ -60,13 +65,34 @@ class StorageServiceStub:
                 request_serializer=dpu_dot_v1_dot_storage__pb2.DeleteVolumeRequest.SerializeToString,
                 response_deserializer=dpu_dot_v1_dot_storage__pb2.DeleteVolumeResponse.FromString,
                 _registered_method=True)
+        self.CreateSnapshot = channel.unary_unary(
+                '/dpu.v1.StorageService/CreateSnapshot',
+                request_serializer=dpu_dot_v1_dot_storage__pb2.CreateSnapshotRequest.SerializeToString,
+                response_deserializer=dpu_dot_v1_dot_storage__pb2.Snapshot.FromString,
+                _registered_method=True)
+        self.GetSnapshot = channel.unary_unary(
+                '/dpu.v1.StorageService/GetSnapshot',
+                request_serializer=dpu_dot_v1_dot_storage__pb2.GetSnapshotRequest.SerializeToString,
+                response_deserializer=dpu_dot_v1_dot_storage__pb2.Snapshot.FromString,
+                _registered_method=True)
+        self.ListSnapshots = channel.unary_unary(
+                '/dpu.v1.StorageService/ListSnapshots',
+                request_serializer=dpu_dot_v1_dot_storage__pb2.ListSnapshotsRequest.SerializeToString,
+                response_deserializer=dpu_dot_v1_dot_storage__pb2.ListSnapshotsResponse.FromString,
+                _registered_method=True)
+        self.DeleteSnapshot = channel.unary_unary(
+                '/dpu.v1.StorageService/DeleteSnapshot',
+                request_serializer=dpu_dot_v1_dot_storage__pb2.DeleteSnapshotRequest.SerializeToString,
+                response_deserializer=dpu_dot_v1_dot_storage__pb2.DeleteSnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class StorageServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateVolume(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -83,6 +109,15 @@ class StorageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateVolume(self, request, context):
+        """Changes a volume's QoS limits (update_mask: "qos", or some of "qos.read_iops",
+        "qos.write_iops", "qos.read_bytes_per_second", "qos.write_bytes_per_second";
+        empty means "qos").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ResizeVolume(self, request, context):
         """Grows or shrinks a volume; shrinking below written data needs force.
         """
@@ -92,6 +127,35 @@ class StorageServiceServicer:
 
     def DeleteVolume(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateSnapshot(self, request, context):
+        """Takes a read-only snapshot of a volume: every write acknowledged before the
+        call, durably. Allowed while a block function exports the volume: the snapshot
+        is then crash-consistent (what the disk held at that instant).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSnapshots(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSnapshot(self, request, context):
+        """Deletes a snapshot, freeing what nothing else uses. FAILED_PRECONDITION while
+        volumes cloned from it exist.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -114,6 +178,11 @@ def add_StorageServiceServicer_to_server(servicer, server):
                     request_deserializer=dpu_dot_v1_dot_storage__pb2.ListVolumesRequest.FromString,
                     response_serializer=dpu_dot_v1_dot_storage__pb2.ListVolumesResponse.SerializeToString,
             ),
+            'UpdateVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateVolume,
+                    request_deserializer=dpu_dot_v1_dot_storage__pb2.UpdateVolumeRequest.FromString,
+                    response_serializer=dpu_dot_v1_dot_storage__pb2.Volume.SerializeToString,
+            ),
             'ResizeVolume': grpc.unary_unary_rpc_method_handler(
                     servicer.ResizeVolume,
                     request_deserializer=dpu_dot_v1_dot_storage__pb2.ResizeVolumeRequest.FromString,
@@ -123,6 +192,26 @@ def add_StorageServiceServicer_to_server(servicer, server):
                     servicer.DeleteVolume,
                     request_deserializer=dpu_dot_v1_dot_storage__pb2.DeleteVolumeRequest.FromString,
                     response_serializer=dpu_dot_v1_dot_storage__pb2.DeleteVolumeResponse.SerializeToString,
+            ),
+            'CreateSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSnapshot,
+                    request_deserializer=dpu_dot_v1_dot_storage__pb2.CreateSnapshotRequest.FromString,
+                    response_serializer=dpu_dot_v1_dot_storage__pb2.Snapshot.SerializeToString,
+            ),
+            'GetSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSnapshot,
+                    request_deserializer=dpu_dot_v1_dot_storage__pb2.GetSnapshotRequest.FromString,
+                    response_serializer=dpu_dot_v1_dot_storage__pb2.Snapshot.SerializeToString,
+            ),
+            'ListSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSnapshots,
+                    request_deserializer=dpu_dot_v1_dot_storage__pb2.ListSnapshotsRequest.FromString,
+                    response_serializer=dpu_dot_v1_dot_storage__pb2.ListSnapshotsResponse.SerializeToString,
+            ),
+            'DeleteSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSnapshot,
+                    request_deserializer=dpu_dot_v1_dot_storage__pb2.DeleteSnapshotRequest.FromString,
+                    response_serializer=dpu_dot_v1_dot_storage__pb2.DeleteSnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +306,33 @@ class StorageService:
             _registered_method=True)
 
     @staticmethod
+    def UpdateVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu.v1.StorageService/UpdateVolume',
+            dpu_dot_v1_dot_storage__pb2.UpdateVolumeRequest.SerializeToString,
+            dpu_dot_v1_dot_storage__pb2.Volume.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ResizeVolume(request,
             target,
             options=(),
@@ -260,6 +376,114 @@ class StorageService:
             '/dpu.v1.StorageService/DeleteVolume',
             dpu_dot_v1_dot_storage__pb2.DeleteVolumeRequest.SerializeToString,
             dpu_dot_v1_dot_storage__pb2.DeleteVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu.v1.StorageService/CreateSnapshot',
+            dpu_dot_v1_dot_storage__pb2.CreateSnapshotRequest.SerializeToString,
+            dpu_dot_v1_dot_storage__pb2.Snapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu.v1.StorageService/GetSnapshot',
+            dpu_dot_v1_dot_storage__pb2.GetSnapshotRequest.SerializeToString,
+            dpu_dot_v1_dot_storage__pb2.Snapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu.v1.StorageService/ListSnapshots',
+            dpu_dot_v1_dot_storage__pb2.ListSnapshotsRequest.SerializeToString,
+            dpu_dot_v1_dot_storage__pb2.ListSnapshotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu.v1.StorageService/DeleteSnapshot',
+            dpu_dot_v1_dot_storage__pb2.DeleteSnapshotRequest.SerializeToString,
+            dpu_dot_v1_dot_storage__pb2.DeleteSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

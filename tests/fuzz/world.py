@@ -42,6 +42,7 @@ VOLUMES: Final[tuple[tuple[str, dict[str, Any]], ...]] = (
     ("fz-vol-2", {"crc32c": True, "compression": "zstd"}),
     ("fz-vol-3", {"encryption": "aes-xts-256"}),
 )
+SNAPSHOTS: Final = (("fz-snap-0", "fz-vol-0"), ("fz-snap-1", "fz-vol-3"))  # (id, volume)
 RULES: Final = (
     (
         "fz-rule-0",
@@ -87,12 +88,15 @@ _NOUNS: Final = (
     ("Region", "regions"),
     ("Job", "jobs"),
     ("Session", "sessions"),
+    ("Snapshot", "snapshots"),
     ("Volume", "volumes"),
     ("Port", "ports"),
 )
 _FIELD_POOLS: Final = {
     "session": "sessions",
     "volume": "volumes",
+    "source_volume": "volumes",
+    "source_snapshot": "snapshots",
     "region": "regions",
     "port": "ports",
     "ingress_port": "ports",
@@ -240,6 +244,7 @@ class World:
             "regions": [],
             "jobs": [],
             "volumes": [f"volumes/{v}" for v, _ in VOLUMES],
+            "snapshots": [*(f"snapshots/{s}" for s, _ in SNAPSHOTS), "snapshots/fz-new-0"],
             "rules": [f"flowRules/{r}" for r, _ in RULES],
             "ports": [],
             "functions": [*(f"functions/{f}" for f, _ in FUNCTIONS), "functions/fz-0"],
@@ -280,6 +285,7 @@ class World:
     async def restore(self) -> None:
         """Re-create what fuzzed requests closed, deleted or withdrew; refresh the pools."""
         await asyncio.gather(*(self._restore_volume(v, o) for v, o in VOLUMES))
+        await asyncio.gather(*(self._restore_snapshot(s, v) for s, v in SNAPSHOTS))
         await asyncio.gather(*(self._restore_rule(r, rule) for r, rule in RULES))
         await asyncio.gather(*(self._restore_function(f, spec) for f, spec in FUNCTIONS))
         for index, fuzz in enumerate(self.sessions):
@@ -316,6 +322,13 @@ class World:
             await self.client.get_volume(f"volumes/{volume_id}")
         except host_client.NotFoundError:
             await self.client.create_volume(volume_id, VOLUME_BYTES, **options)
+
+    async def _restore_snapshot(self, snapshot_id: str, volume_id: str) -> None:
+        try:
+            await self.client.get_snapshot(f"snapshots/{snapshot_id}")
+        except host_client.NotFoundError:
+            with contextlib.suppress(host_client.DpuError):  # e.g. the chain is full
+                await self.client.create_snapshot(snapshot_id, f"volumes/{volume_id}")
 
     async def _restore_rule(self, rule_id: str, rule: network_pb2.FlowRule) -> None:
         try:

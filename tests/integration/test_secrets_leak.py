@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import urllib.request
@@ -46,6 +45,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from google.protobuf import json_format, message
 
 import host_client
+from dpu_agent.storage import FileVolumeStore
 from dpu_agent.storage.keys import KeySealer
 from dpu_wire.v1 import job_pb2, session_pb2
 from host_client import _certs
@@ -386,11 +386,11 @@ async def use_every_secret(run: Run, record: list[bytes]) -> list[Secret]:
 
 
 def store_secrets(store: Path, given_key: bytes) -> list[Secret]:
-    """The master key, and the volume key the agent made, unsealed from the catalog."""
+    """The master key, and the volume key the agent made, unsealed from the store's metadata."""
     master = (store / "master.key").read_bytes()
     sealer = KeySealer(master)
-    with contextlib.closing(sqlite3.connect(store / "catalog.sqlite")) as db:
-        rows = dict(db.execute("SELECT volume_id, sealed_key FROM volumes").fetchall())
+    with FileVolumeStore(store) as opened:  # the agent has stopped: the store is free
+        rows = {v: opened._state.volumes[v].sealed_key or b"" for v in ("given-key", "made-key")}
     assert sealer.unseal("given-key", rows["given-key"]) == given_key  # we read it right
     made = sealer.unseal("made-key", rows["made-key"])
     return [Secret("the store's master key", master), Secret("a volume key the agent made", made)]

@@ -31,13 +31,13 @@ async def corrupted_block_is_detected(tmp_path: Path, transport: str, env: dict[
             src = await session.alloc(MiB, readable=True)
             src.view[:] = os.urandom(MiB)
             await session.write_volume("volumes/rot-1", 0, src, fua=True)
-            files = [p for p in store.rglob("*") if p.is_file() and "rot-1" in p.name]
-            assert files, list(store.rglob("*"))
-            with files[0].open("r+b") as f:
-                f.seek(5 * 4096 + 7)
-                byte = f.read(1)
-                f.seek(5 * 4096 + 7)
-                f.write(bytes([byte[0] ^ 0xFF]))
+            pool = store / "pool"  # every block lives in the pool: find block 5 by its bytes
+            raw = pool.read_bytes()
+            at = raw.find(bytes(src.view[5 * 4096 : 6 * 4096]))
+            assert at >= 0, "block 5 is not in the pool as written"
+            with pool.open("r+b") as f:
+                f.seek(at + 7)
+                f.write(bytes([raw[at + 7] ^ 0xFF]))
             dst = await session.alloc(MiB, writable=True)
             with pytest.raises(host_client.DataLossError, match="CRC32C"):
                 await session.read_volume("volumes/rot-1", 0, dst)

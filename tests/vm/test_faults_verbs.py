@@ -2,7 +2,8 @@
 
 - the host's queue pair forced into the error state with jobs in flight: they fail
   with UnavailableError, the agent reports the session failed, a new session works;
-- the agent SIGKILLed with volume writes in flight (tests/faults/inflight_writes.py);
+- the agent SIGKILLed with volume writes in flight (tests/faults/inflight_writes.py), and
+  again and again while hosts overwrite volumes (tests/torture/agent_kills.py);
 - the host program SIGKILLed (tests/faults/client_death.py): over verbs an idle
   session's data plane cannot tell the host is gone, so the orphan timeout closes it;
 - load: 4 clients (2 processes x 2) x 200 mixed jobs, every byte checked, memory flat.
@@ -22,11 +23,13 @@ from tests.faults import client_death, inflight_writes, load
 from tests.faults.common import metric, scrape, session_state, until
 from tests.integration.conftest import start_agent
 from tests.integration.mqtt_broker import free_port
+from tests.torture import agent_kills
 
 pytestmark = [pytest.mark.rdma, pytest.mark.asyncio]
 
 MiB = 1 << 20
 FAILED = session_pb2.SESSION_STATE_FAILED
+VM_KILLS = 5  # the host suite kills 24 times over tcp; the VM runs Python ~7x slower
 
 
 def _verbs_env(rdma_port) -> dict[str, str]:
@@ -123,6 +126,16 @@ async def test_agent_sigkill_loses_no_acknowledged_write_over_rxe(rdma_port, tmp
         tmp_path, "verbs", _verbs_env(rdma_port)
     )
     assert ledger.acknowledged >= inflight_writes.KILL_AFTER
+
+
+async def test_overwrites_survive_repeated_sigkills_over_rxe(rdma_port, tmp_path):
+    summary = await agent_kills.overwrites_survive_kills(
+        tmp_path, "verbs", _verbs_env(rdma_port), VM_KILLS
+    )
+    print(f"\n{summary.line()}")  # noqa: T201 - the numbers the report quotes
+    assert summary.kills == VM_KILLS
+    assert summary.in_doubt_at_kills > 0
+    assert summary.violations == [], "\n".join(summary.violations[:40])
 
 
 async def test_killed_host_sessions_are_freed_over_rxe(rdma_port, tmp_path):

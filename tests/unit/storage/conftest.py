@@ -14,8 +14,7 @@ from dpu_agent.storage import (
     FileVolumeStore,
     MemoryVolumeStore,
 )
-from dpu_agent.storage.blockstore import BlockVolumeStore
-from dpu_agent.storage.memory_backend import MemoryDevice
+from dpu_agent.storage.engine import CowVolumeStore
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -33,7 +32,7 @@ def services_id(services: DataServices) -> str:
     return f"crc{int(services.crc32c)}-{services.compression}-{services.encryption}"
 
 
-def make_store(backend: str, path: Path, **kwargs) -> BlockVolumeStore:
+def make_store(backend: str, path: Path, **kwargs) -> CowVolumeStore:
     if backend == "file":
         return FileVolumeStore(path / "store", **kwargs)
     return MemoryVolumeStore(**kwargs)
@@ -45,27 +44,19 @@ def backend(request) -> str:
 
 
 @pytest.fixture
-def store(backend, tmp_path) -> Iterator[BlockVolumeStore]:
+def store(backend, tmp_path) -> Iterator[CowVolumeStore]:
     """A store of each backend, closed after the test."""
     with make_store(backend, tmp_path) as s:
         yield s
 
 
-def flip_stored_byte(store: BlockVolumeStore, volume_id: str, block: int, at: int = 0) -> None:
-    """Damage one byte of a block where the backend keeps it (the test plays the disk)."""
-    vol = store._volumes[volume_id]
-    bs = vol.info.block_size
+def flip_stored_byte(store: CowVolumeStore, volume_id: str, block: int, at: int = 0) -> None:
+    """Damage one byte of a block where the store keeps it (the test plays the disk)."""
+    bs = store.get(volume_id).block_size
     store.flush(volume_id)
-    if isinstance(store, FileVolumeStore):
-        path = store._path(volume_id)
-        with path.open("r+b") as f:
-            f.seek(block * bs + at)
-            byte = f.read(1)
-            f.seek(block * bs + at)
-            f.write(bytes([byte[0] ^ 0x5A]))
-        return
-    device = vol.device
-    assert isinstance(device, MemoryDevice)
-    slot = bytearray(device.slots[block])
-    slot[at] ^= 0x5A
-    device.slots[block] = bytes(slot)
+    found = store.physical(volume_id, block * bs)
+    assert found is not None, "the block was never written"
+    offset = found[0] + at
+    pool = store._pool
+    byte = pool.pread(1, offset)
+    pool.pwrite(bytes([byte[0] ^ 0x5A]), offset)

@@ -4,10 +4,10 @@ import json
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -19,20 +19,14 @@ from dpu_agent.storage import (
     DataServices,
     Encryption,
     FileVolumeStore,
-    blockstore,
-    file_backend,
+    checkpoint,
+    media,
 )
-from dpu_agent.storage.file_backend import SqliteCatalog
 
 from .conftest import ALL_SERVICES, MiB, flip_stored_byte
 from .test_io import mixed_data
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def catalog(store: FileVolumeStore) -> SqliteCatalog:
-    assert isinstance(store._catalog, SqliteCatalog)
-    return store._catalog
 
 
 def test_volumes_settings_and_data_survive_a_restart(tmp_path):
@@ -137,15 +131,17 @@ def test_acknowledged_writes_survive_sigkill(tmp_path, kill_after):
                     assert block in {bytes(len(block)), mixed_data(16384, i)[at : at + len(block)]}
 
 
-def test_flipped_byte_in_the_volume_file_is_data_corruption(tmp_path, caplog):
+def test_flipped_byte_in_the_pool_is_data_corruption(tmp_path, caplog):
     with FileVolumeStore(tmp_path) as store:
         store.create("v", MiB, 4096, DataServices(crc32c=True))
         data = os.urandom(8192)
         store.write("v", 0, data, fua=True)
-    with (tmp_path / "volumes" / "v.vol").open("r+b") as f:
-        f.seek(4096 + 100)
+        where = store.physical("v", 4096)
+    assert where is not None
+    with (tmp_path / "pool").open("r+b") as f:
+        f.seek(where[0] + 100)
         byte = f.read(1)
-        f.seek(4096 + 100)
+        f.seek(where[0] + 100)
         f.write(bytes([byte[0] ^ 1]))
     with FileVolumeStore(tmp_path) as store:
         assert store.read("v", 0, 4096) == data[:4096]
@@ -155,33 +151,21 @@ def test_flipped_byte_in_the_volume_file_is_data_corruption(tmp_path, caplog):
     assert "data corruption" in caplog.text
 
 
-def test_damaged_catalog_record_is_data_corruption(tmp_path):
-    with FileVolumeStore(tmp_path) as store:
-        store.create("v", MiB, 4096, DataServices(True, Compression.LZ4))
-        store.write("v", 0, bytes(4096), fua=True)
-    with sqlite3.connect(tmp_path / "catalog.sqlite") as db:
-        db.execute("UPDATE blocks SET crc = crc + 1")
-    db.close()
-    with FileVolumeStore(tmp_path) as store, pytest.raises(DataCorruption, match="block 0"):
-        store.read("v", 0, 4096)
-
-
-def test_unflushed_writes_stay_out_of_the_catalog_until_flushed(tmp_path):
+def test_plain_writes_are_durable_after_a_flush_and_committed_in_the_background(tmp_path):
     with FileVolumeStore(tmp_path) as store:
         store.create("v", MiB, 4096, DataServices(crc32c=True))
+        journal = store._journal
         store.write("v", 0, b"a" * 8192)
-        count = "SELECT count(*) FROM blocks"
-        assert catalog(store)._query(count, ())[0][0] == 0
+        assert journal.durable < journal.appended  # not yet
         store.flush("v")
-        assert catalog(store)._query(count, ())[0][0] == 2
+        assert journal.durable == journal.appended
         store.write("v", 8192, b"b" * 4096, fua=True)
-        assert catalog(store)._query(count, ())[0][0] == 3
-
-
-def test_catalog_uses_wal_and_full_sync(tmp_path):
-    with FileVolumeStore(tmp_path) as store:
-        assert catalog(store)._query("PRAGMA synchronous", ())[0][0] == 2  # FULL
-        assert catalog(store)._query("PRAGMA journal_mode", ())[0][0] == "wal"
+        assert journal.durable == journal.appended
+        store.write("v", 0, b"c" * 4096)
+        deadline = time.monotonic() + 30
+        while journal.durable < journal.appended:  # the journal's thread commits it
+            assert time.monotonic() < deadline, "a plain write was never committed"
+            time.sleep(0.05)
 
 
 def test_files_are_private(tmp_path):
@@ -189,35 +173,64 @@ def test_files_are_private(tmp_path):
         store.create("v", MiB, 4096, DataServices())
         store.write("v", 0, bytes(4096), fua=True)
         modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "s").rglob("*")}
-    assert modes["master.key"] == 0o600
-    assert modes["catalog.sqlite"] == 0o600
-    assert modes["v.vol"] == 0o600
+    assert modes == dict.fromkeys(
+        ["master.key", "store.lock", "pool", "checkpoint.0", "checkpoint.1"], 0o600
+    )
     assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
 
 
-def test_volume_file_is_sparse_and_trim_punches_holes(tmp_path):
+def allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+@pytest.mark.parametrize("block_size", [512, 4096])
+def test_the_pool_is_sparse_and_trim_and_delete_give_space_back(tmp_path, block_size):
+    pool = tmp_path / "pool"
     with FileVolumeStore(tmp_path) as store:
-        store.create("v", 8 * MiB, 4096, DataServices(crc32c=True))
-        path = tmp_path / "volumes" / "v.vol"
-        assert path.stat().st_size == 8 * MiB
-        assert path.stat().st_blocks * 512 < MiB
+        store.create("v", 64 * MiB, block_size, DataServices(crc32c=True))
+        assert allocated(pool) < MiB
         store.write("v", 0, os.urandom(4 * MiB), fua=True)
-        allocated = path.stat().st_blocks * 512
-        assert allocated >= 4 * MiB
-        store.trim("v", 0, 4 * MiB)
-        assert path.stat().st_blocks * 512 < allocated - 3 * MiB
-        assert store.read("v", 0, 4 * MiB) == bytes(4 * MiB)
+        full = allocated(pool)
+        assert full >= 4 * MiB
+        store.trim("v", 0, 3 * MiB)
+        store.commit()  # the freed blocks leave limbo after the next commit
+        assert allocated(pool) < full - 2 * MiB
+        assert store.read("v", 0, 3 * MiB) == bytes(3 * MiB)
+        store.delete("v")
+        store.commit()
+        assert allocated(pool) < MiB
 
 
 def test_trim_writes_zeros_where_holes_cannot_be_punched(tmp_path, monkeypatch):
-    monkeypatch.setattr(file_backend, "_fallocate", None)
+    monkeypatch.setattr(media, "_fallocate", None)
     with FileVolumeStore(tmp_path) as store:
         store.create("v", MiB, 4096, DataServices())
         store.write("v", 0, b"\xff" * MiB, fua=True)
+        where = [store.physical("v", offset) for offset in range(0, MiB, 4096)]
         store.trim("v", 4096, 3 * MiB // 4)
-        raw = (tmp_path / "volumes" / "v.vol").read_bytes()
-        assert raw[4096 : 4096 + 3 * MiB // 4] == bytes(3 * MiB // 4)
-        assert raw[:4096] == b"\xff" * 4096
+        store.commit()
+        raw = (tmp_path / "pool").read_bytes()
+        for i, found in enumerate(where):
+            assert found is not None
+            trimmed = 1 <= i < 1 + 3 * MiB // 4 // 4096
+            block = raw[found[0] : found[0] + 4096]
+            assert block == (bytes(4096) if trimmed else b"\xff" * 4096), i
+
+
+def test_overwrites_go_to_new_places_and_the_old_data_stays_until_durable(tmp_path):
+    with FileVolumeStore(tmp_path) as store:
+        store.create("v", MiB, 4096, DataServices())
+        store.write("v", 0, b"o" * 4096, fua=True)
+        old = store.physical("v", 0)
+        store.write("v", 0, b"n" * 4096)
+        new = store.physical("v", 0)
+        assert old is not None
+        assert new is not None
+        assert new[0] != old[0]
+        assert store._pool.pread(4096, old[0]) == b"o" * 4096  # not durable: the old stays
+        store.flush("v")
+        store.write("v", 4096, b"x" * 4096)  # may now reuse the old place
+        assert store.read("v", 0, 8192) == b"n" * 4096 + b"x" * 4096
 
 
 def test_free_space_comes_from_the_disk(tmp_path, monkeypatch):
@@ -225,9 +238,7 @@ def test_free_space_comes_from_the_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage)
     with FileVolumeStore(tmp_path) as store:
         store.create("v", 2 * MiB, 4096, DataServices())
-        with pytest.raises(
-            Exception, match=f"volume of {3 * MiB} bytes does not fit: {2 * MiB} bytes free"
-        ):
+        with pytest.raises(Exception, match=f"volume of {3 * MiB} bytes does not fit"):
             store.create("w", 3 * MiB, 4096, DataServices())
 
 
@@ -241,39 +252,72 @@ def test_one_store_per_directory(tmp_path):
         assert store.list() == []
 
 
-def test_leftovers_of_a_crash_are_repaired_on_open(tmp_path):
+def test_checkpoints_rotate_between_two_slots(tmp_path):
+    """Checkpoints alternate slots; the store opens from the newer one alone.
+
+    (A checkpoint torn while being written falls back to the other slot: the crash
+    tests in tests/torture cut the power during checkpoint writes.)
+    """
+    expected = {}
+    with FileVolumeStore(tmp_path, checkpoint_log_bytes=1) as store:
+        for i in range(40):
+            v = f"v{i % 4}"
+            if i < 4:
+                store.create(v, MiB, 4096, DataServices(crc32c=True))
+            data = os.urandom(4096)
+            store.write(v, (i // 4) * 4096, data, fua=True)
+            expected[v, (i // 4) * 4096] = data
+        store.checkpoint()
+        store.checkpoint()
+        assert store._journal.checkpoints >= 3
+        number = store._ckpt_number
+    older = tmp_path / checkpoint.SLOTS[(number + 1) % 2]
+    older.write_bytes(os.urandom(older.stat().st_size))
     with FileVolumeStore(tmp_path) as store:
-        store.create("v", MiB, 4096, DataServices(crc32c=True))
-        store.write("v", 0, b"k" * 4096, fua=True)
-    ghost = tmp_path / "volumes" / "ghost.vol"  # a create that never reached the catalog
-    ghost.write_bytes(b"x")
-    os.truncate(tmp_path / "volumes" / "v.vol", 3 * MiB)  # a resize that never did
-    with FileVolumeStore(tmp_path) as store:
-        assert not ghost.exists()
-        assert store.read("v", 0, 4096) == b"k" * 4096
-        assert (tmp_path / "volumes" / "v.vol").stat().st_size == MiB
+        for (v, offset), data in expected.items():
+            assert store.read(v, offset, 4096) == data
 
 
-def test_missing_volume_file_is_data_corruption_not_zeros(tmp_path):
+def test_a_damaged_pool_header_is_not_formatted_over(tmp_path):
     with FileVolumeStore(tmp_path) as store:
         store.create("v", MiB, 4096, DataServices())
-    (tmp_path / "volumes" / "v.vol").unlink()
+        store.write("v", 0, b"k" * 4096, fua=True)
+    with (tmp_path / "pool").open("r+b") as f:
+        f.write(b"garbage!")
+    with pytest.raises(DataCorruption, match="refusing to format over them"):
+        FileVolumeStore(tmp_path)
+    (tmp_path / "pool").unlink()
+    with pytest.raises(DataCorruption, match="refusing to format over them"):
+        FileVolumeStore(tmp_path)
+
+
+def test_a_store_whose_format_was_interrupted_is_formatted_again(tmp_path):
+    FileVolumeStore(tmp_path).close()
+    with (tmp_path / "pool").open("r+b") as f:
+        f.write(bytes(16))  # the header is written last: as if the format never finished
     with FileVolumeStore(tmp_path) as store:
-        with pytest.raises(DataCorruption, match="its data file is missing"):
-            store.read("v", 0, 4096)
-        store.delete("v")
         assert store.list() == []
+        store.create("v", MiB, 4096, DataServices())
 
 
-def test_delete_removes_file_and_records(tmp_path):
+def test_no_checkpoint_is_data_corruption(tmp_path):
+    FileVolumeStore(tmp_path).close()
+    for name in checkpoint.SLOTS:
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(DataCorruption, match="no valid checkpoint"):
+        FileVolumeStore(tmp_path)
+
+
+def test_delete_gives_the_id_back_and_survives_a_restart(tmp_path):
     with FileVolumeStore(tmp_path) as store:
         store.create("v", MiB, 4096, DataServices(crc32c=True))
         store.write("v", 0, os.urandom(MiB), fua=True)
         store.delete("v")
-        assert not (tmp_path / "volumes" / "v.vol").exists()
-        assert catalog(store)._query("SELECT count(*) FROM blocks", ())[0][0] == 0
+        assert store.list() == []
     with FileVolumeStore(tmp_path) as store:
         assert store.list() == []
+        store.create("v", MiB, 4096, DataServices(crc32c=True))
+        assert store.read("v", 0, MiB) == bytes(MiB)
 
 
 @pytest.mark.parametrize(
@@ -309,12 +353,11 @@ def test_sealed_key_is_bound_to_its_volume(tmp_path):
     with FileVolumeStore(tmp_path) as store:
         for v in ("a", "b"):
             store.create(v, MiB, 4096, DataServices(encryption=Encryption.AES_XTS_256))
-    with sqlite3.connect(tmp_path / "catalog.sqlite") as db:
-        (sealed,) = db.execute("SELECT sealed_key FROM volumes WHERE volume_id = 'a'").fetchone()
-        db.execute("UPDATE volumes SET sealed_key = ? WHERE volume_id = 'b'", (sealed,))
-    db.close()
-    with FileVolumeStore(tmp_path) as store, pytest.raises(DataCorruption, match="'b'"):
-        store.read("b", 0, 4096)
+        nodes = store._state.volumes
+        nodes["b"].sealed_key = nodes["a"].sealed_key  # as if it were copied on disk
+        store._volumes["b"].key = store._volumes["b"].codec = None
+        with pytest.raises(DataCorruption, match="'b'"):
+            store.read("b", 0, 4096)
 
 
 def test_damage_helper_hits_the_file(tmp_path):
@@ -326,12 +369,13 @@ def test_damage_helper_hits_the_file(tmp_path):
             store.read("v", 0, 4096)
 
 
-def test_many_unflushed_writes_are_committed_in_batches(tmp_path, monkeypatch):
-    monkeypatch.setattr(blockstore, "MAX_PENDING_RECORDS", 4)
+def test_a_pool_with_data_and_no_checkpoint_is_not_formatted_over(tmp_path):
     with FileVolumeStore(tmp_path) as store:
-        store.create("v", MiB, 4096, DataServices(crc32c=True))
-        store.write("v", 0, bytes(3 * 4096))
-        assert catalog(store)._query("SELECT count(*) FROM blocks", ())[0][0] == 0
-        store.write("v", 3 * 4096, bytes(4096))
-        assert catalog(store)._query("SELECT count(*) FROM blocks", ())[0][0] == 4
-        assert store._volumes["v"].pending == {}
+        store.create("v", MiB, 4096, DataServices())
+        store.write("v", 0, b"k" * 4096, fua=True)
+    with (tmp_path / "pool").open("r+b") as f:
+        f.write(b"garbage!")
+    for name in checkpoint.SLOTS:
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(DataCorruption, match="refusing to format over them"):
+        FileVolumeStore(tmp_path)

@@ -1,0 +1,180 @@
+"""Block maps: which physical place holds each block of a volume or snapshot.
+
+A map is a dict of chunks of `CHUNK_BLOCKS` consecutive blocks; a chunk is three
+flat arrays (16 bytes a block), so a map costs memory for the chunks that hold
+something only, and a chunk copies with three memcpys:
+
+    phys  int64   0 = no entry (look further: the parent snapshot, or zeros),
+                  1 = ZERO (reads as zeros, hides the parent: a trim over a snapshot),
+                  else the pool sector (512 bytes) where the block's bytes start
+    meta  uint32  stored length | flags << 16 (see dataservices.BlockRecord)
+    crc   uint32  CRC32C of the stored bytes (always taken: recovery checks it)
+
+`freeze()` hands out a view of the map that never changes again: every chunk is
+marked frozen, and the next change to a frozen chunk copies it first. The checkpoint
+writer serializes such a view while writes go on.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+CHUNK_SHIFT: Final = 8
+CHUNK_BLOCKS: Final = 1 << CHUNK_SHIFT
+CHUNK_MASK: Final = CHUNK_BLOCKS - 1
+ABSENT: Final = 0
+ZERO: Final = 1
+FLAGS_SHIFT: Final = 16
+LENGTH_MASK: Final = (1 << FLAGS_SHIFT) - 1
+
+_ZEROS_Q: Final = bytes(8 * CHUNK_BLOCKS)
+_ZEROS_I: Final = bytes(4 * CHUNK_BLOCKS)
+
+Entry = tuple[int, int, int]  # (phys sector, meta, crc) of a block with data
+
+
+def pack_meta(length: int, flags: int) -> int:
+    """The meta word of a block stored with `length` bytes and `flags`."""
+    return length | flags << FLAGS_SHIFT
+
+
+class Chunk:
+    """`CHUNK_BLOCKS` entries. Mutated only while not frozen."""
+
+    __slots__ = ("crc", "data", "frozen", "meta", "phys", "used")
+
+    def __init__(self, source: Chunk | None = None) -> None:
+        if source is None:
+            self.phys = array("q", _ZEROS_Q)
+            self.meta = array("I", _ZEROS_I)
+            self.crc = array("I", _ZEROS_I)
+            self.used = 0  # entries that are not ABSENT
+            self.data = 0  # entries that hold data (not ABSENT, not ZERO)
+        else:
+            self.phys = source.phys[:]
+            self.meta = source.meta[:]
+            self.crc = source.crc[:]
+            self.used = source.used
+            self.data = source.data
+        self.frozen = False
+
+    @classmethod
+    def from_arrays(cls, phys: array[int], meta: array[int], crc: array[int]) -> Chunk:
+        """A chunk over loaded arrays (a checkpoint's)."""
+        chunk = cls.__new__(cls)
+        chunk.phys, chunk.meta, chunk.crc = phys, meta, crc
+        chunk.used = sum(1 for p in phys if p)
+        chunk.data = sum(1 for p in phys if p > ZERO)
+        chunk.frozen = False
+        return chunk
+
+
+class BlockMap:
+    """Block number -> entry, for one volume or snapshot. Not thread-safe (the store locks)."""
+
+    __slots__ = ("allocated", "chunks")
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, Chunk] = {}
+        self.allocated = 0  # blocks with data
+
+    def __len__(self) -> int:
+        return sum(c.used for c in self.chunks.values())
+
+    def get(self, block: int) -> int:
+        """The block's phys word: ABSENT, ZERO or a sector."""
+        chunk = self.chunks.get(block >> CHUNK_SHIFT)
+        return ABSENT if chunk is None else chunk.phys[block & CHUNK_MASK]
+
+    def entry(self, block: int) -> Entry | None:
+        """(phys, meta, crc) of a block with data here, else None."""
+        chunk = self.chunks.get(block >> CHUNK_SHIFT)
+        if chunk is None:
+            return None
+        i = block & CHUNK_MASK
+        phys = chunk.phys[i]
+        return (phys, chunk.meta[i], chunk.crc[i]) if phys > ZERO else None
+
+    def _writable(self, index: int) -> Chunk:
+        chunk = self.chunks.get(index)
+        if chunk is None:
+            chunk = self.chunks[index] = Chunk()
+        elif chunk.frozen:
+            chunk = self.chunks[index] = Chunk(chunk)
+        return chunk
+
+    def put(self, block: int, phys: int, meta: int = 0, crc: int = 0) -> int:
+        """Set a block's entry (data, or ZERO); return the phys word it had."""
+        chunk = self._writable(block >> CHUNK_SHIFT)
+        i = block & CHUNK_MASK
+        old = chunk.phys[i]
+        chunk.phys[i] = phys
+        chunk.meta[i] = meta
+        chunk.crc[i] = crc
+        if old == ABSENT:
+            chunk.used += 1
+        if old > ZERO:
+            chunk.data -= 1
+            self.allocated -= 1
+        if phys > ZERO:
+            chunk.data += 1
+            self.allocated += 1
+        return old
+
+    def clear(self, block: int) -> int:
+        """Remove a block's entry; return the phys word it had."""
+        index = block >> CHUNK_SHIFT
+        chunk = self.chunks.get(index)
+        if chunk is None:
+            return ABSENT
+        i = block & CHUNK_MASK
+        old = chunk.phys[i]
+        if old == ABSENT:
+            return old
+        if chunk.frozen:
+            chunk = self.chunks[index] = Chunk(chunk)
+        chunk.phys[i] = ABSENT
+        chunk.meta[i] = 0
+        chunk.crc[i] = 0
+        chunk.used -= 1
+        if old > ZERO:
+            chunk.data -= 1
+            self.allocated -= 1
+        if not chunk.used:
+            del self.chunks[index]
+        return old
+
+    def present(self, first: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
+        """(block, phys word) of every entry (data or ZERO) in [first, end), in order."""
+        for index in sorted(self.chunks):
+            base = index << CHUNK_SHIFT
+            if base + CHUNK_BLOCKS <= first or (end is not None and base >= end):
+                continue
+            phys = self.chunks[index].phys
+            for i, p in enumerate(phys):
+                if p and base + i >= first and (end is None or base + i < end):
+                    yield base + i, p
+
+    def has_data_from(self, first: int) -> bool:
+        """True if some block >= `first` has data."""
+        return any(p > ZERO for _, p in self.present(first))
+
+    def has_entries_in(self, first: int, end: int) -> bool:
+        """True if some block in [first, end) has an entry (data or ZERO)."""
+        return next(self.present(first, end), None) is not None
+
+    def freeze(self) -> dict[int, Chunk]:
+        """A view of the map as it is now, which later changes do not touch."""
+        for chunk in self.chunks.values():
+            chunk.frozen = True
+        return dict(self.chunks)
+
+    def adopt(self, index: int, chunk: Chunk) -> None:
+        """Take a whole chunk from another map (which forgets it)."""
+        chunk.frozen = True  # it may be in a checkpoint's view: copy before changing it
+        self.chunks[index] = chunk
+        self.allocated += chunk.data
