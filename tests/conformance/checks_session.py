@@ -1,0 +1,572 @@
+"""Checks of section 1 of docs/data-plane.md: OpenSession, the connection, the lease,
+regions, volumes, keys, CloseSession."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import time
+from typing import Any
+
+import grpc
+
+from dpu_wire.v1 import job_pb2, session_pb2
+from tests.conformance import wire
+from tests.conformance.harness import TIMERS, Ctx, Sess, code_of, error_of, rid
+from tests.conformance.rawtcp import READ, WRITE, RawTcpHost
+from tests.conformance.shutdown import shutdown_scenario
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+VERBS_OK = {
+    "gid": bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 1]),
+    "qp_num": 17,
+    "psn": 5,
+    "mtu": 1024,
+}
+TCP_OK = {"host": "127.0.0.1", "port": 9, "token": bytes(32)}
+
+
+def verbs_endpoint(**fields: object) -> session_pb2.Endpoint:
+    return session_pb2.Endpoint(verbs=session_pb2.VerbsEndpoint(**{**VERBS_OK, **fields}))  # type: ignore[arg-type]
+
+
+def tcp_endpoint(**fields: object) -> session_pb2.Endpoint:
+    return session_pb2.Endpoint(tcp=session_pb2.TcpEndpoint(**{**TCP_OK, **fields}))  # type: ignore[arg-type]
+
+
+def own_endpoint(ctx: Ctx, **fields: object) -> session_pb2.Endpoint:
+    return tcp_endpoint(**fields) if ctx.tcp else verbs_endpoint(**fields)
+
+
+async def open_code(ctx: Ctx, **fields: Any) -> grpc.StatusCode:
+    stubs = ctx.stubs()
+    host = ctx.host()
+    request = ctx.request(host, **fields)
+    return await code_of(stubs.sessions.OpenSession(request, timeout=30))
+
+
+# ---------------------------------------------------------------- 1.1
+
+
+async def label_is_checked(ctx: Ctx) -> None:
+    """DP-1.1-1."""
+    assert await open_code(ctx, client_label="x" * 129) == INVALID
+    assert await open_code(ctx, client_label="app\nforged log line") == INVALID
+    assert await open_code(ctx, client_label="bell\x07") == INVALID
+    label = "é-" * 64  # 128 printable characters are fine
+    session = await ctx.open(lease=False, client_label=label)
+    assert session.reply.client_label == label
+
+
+async def endpoint_fields_are_checked(ctx: Ctx) -> None:
+    """DP-1.1-2: this transport's endpoint."""
+    if ctx.tcp:
+        bad = [
+            tcp_endpoint(host=""),
+            tcp_endpoint(port=0),
+            tcp_endpoint(port=70000),
+            tcp_endpoint(token=b""),
+            tcp_endpoint(token=bytes(31)),
+            tcp_endpoint(token=bytes(33)),
+        ]
+    else:
+        bad = [
+            verbs_endpoint(gid=bytes(15)),
+            verbs_endpoint(gid=bytes(17)),
+            verbs_endpoint(qp_num=0),
+            verbs_endpoint(qp_num=1 << 24),
+            verbs_endpoint(psn=1 << 24),
+            verbs_endpoint(mtu=1000),
+        ]
+    for endpoint in bad:
+        assert await open_code(ctx, host_endpoint=endpoint) == INVALID, endpoint
+
+
+async def open_while_draining(ctx: Ctx) -> None:
+    """DP-1.1-3: seen by the shutdown scenario."""
+    seen = await shutdown_scenario(ctx)
+    assert seen.open_session == grpc.StatusCode.UNAVAILABLE
+
+
+async def open_is_idempotent(ctx: Ctx) -> None:
+    """DP-1.1-4."""
+    stubs = ctx.stubs()
+    first = ctx.host()
+    first.listen()
+    request = ctx.request(first)
+    reply = await stubs.sessions.OpenSession(request, timeout=30)
+    if isinstance(first, RawTcpHost):
+        await first.connected(reply.agent_endpoint.tcp.token)
+    ctx.adopt(stubs, first, reply)
+    second = ctx.host()
+    second.listen()
+    again = await stubs.sessions.OpenSession(
+        ctx.request(second, request_id=request.request_id), timeout=30
+    )
+    assert again.name == reply.name
+    if isinstance(first, RawTcpHost) and isinstance(second, RawTcpHost):
+        await asyncio.sleep(0.3)
+        assert (first.accepted, second.accepted) == (1, 0), "a second data plane was dialled"
+    listed = await stubs.sessions.ListSessions(session_pb2.ListSessionsRequest(page_size=1000))
+    assert [s.name for s in listed.sessions].count(reply.name) == 1
+
+
+async def transport_not_offered(ctx: Ctx) -> None:
+    """DP-1.1-5: the agent under test offers only the transport of the run."""
+    if ctx.tcp:
+        fields = {"transport": 1, "host_endpoint": verbs_endpoint()}
+    else:
+        fields = {"transport": 2, "host_endpoint": tcp_endpoint()}
+    assert await open_code(ctx, **fields) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def endpoint_of_the_other_kind(ctx: Ctx) -> None:
+    """DP-1.1-6."""
+    if ctx.tcp:
+        fields = {"transport": 2, "host_endpoint": verbs_endpoint()}
+    else:
+        fields = {"transport": 1, "host_endpoint": tcp_endpoint()}
+    assert await open_code(ctx, **fields) == INVALID
+
+
+async def endpoint_and_depth(ctx: Ctx) -> None:
+    """DP-1.1-7."""
+    assert await open_code(ctx, transport=0, host_endpoint=None) == INVALID
+    assert await open_code(ctx, queue_depth=1025) == INVALID
+    stubs = ctx.stubs()
+    host = ctx.host(32)
+    host.listen()
+    reply = await stubs.sessions.OpenSession(ctx.request(host, queue_depth=0), timeout=30)
+    session = ctx.adopt(stubs, host, reply)
+    assert reply.queue_depth == 32, "queue_depth 0 must be the agent's default ([dataplane] 32)"
+    await session.close()
+
+
+async def limits(ctx: Ctx) -> None:
+    """DP-1.1-8 (limits profile: 2 sessions per connection, 3 per tenant)."""
+    a = ctx.stubs("limits")
+    b = ctx.stubs("limits")
+    held = [await ctx.open("limits", stubs=a, lease=False) for _ in range(2)]
+    over = ctx.host()
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await code_of(a.sessions.OpenSession(ctx.request(over), timeout=30)) == exhausted
+    held.append(await ctx.open("limits", stubs=b, lease=False))  # the tenant's third
+    assert await code_of(b.sessions.OpenSession(ctx.request(ctx.host()), timeout=30)) == exhausted
+    await held[0].close()  # a slot comes back
+    held.append(await ctx.open("limits", stubs=b, lease=False))
+
+
+async def failed_connect_leaves_nothing(ctx: Ctx) -> None:
+    """DP-1.1-9 (tcp: an RC connect fails only on local errors)."""
+    stubs = ctx.stubs()
+    listing = session_pb2.ListSessionsRequest(page_size=1000)
+    before = {s.name for s in (await stubs.sessions.ListSessions(listing)).sessions}
+    closed = _closed_port()
+    error = await error_of(
+        stubs.sessions.OpenSession(
+            ctx.request(ctx.host(), host_endpoint=tcp_endpoint(port=closed, token=os.urandom(32))),
+            timeout=30,
+        )
+    )
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    after = {s.name for s in (await stubs.sessions.ListSessions(listing)).sessions}
+    assert after <= before, after - before
+
+
+async def the_answer(ctx: Ctx) -> None:
+    """DP-1.1-10."""
+    session = await ctx.open(queue_depth=5, lease=False)
+    reply = session.reply
+    assert re.fullmatch(r"sessions/s-[0-9a-f]{12}", reply.name), reply.name
+    assert reply.state == session_pb2.SESSION_STATE_ACTIVE
+    assert reply.queue_depth == 5
+    assert reply.transport == (2 if ctx.tcp else 1)
+    assert reply.agent_endpoint.WhichOneof("kind") == ctx.transport
+
+
+# ---------------------------------------------------------------- 1.2
+
+
+async def verbs_agent_endpoint(ctx: Ctx) -> None:
+    """DP-1.2-1."""
+    v = (await ctx.open(lease=False)).reply.agent_endpoint.verbs
+    assert len(v.gid) == 16
+    assert v.gid[:12] == bytes(10) + b"\xff\xff", f"not IPv4-mapped: {v.gid.hex()}"
+    assert 0 < v.qp_num < 1 << 24
+    assert v.psn < 1 << 24
+    assert v.mtu in (256, 512, 1024, 2048, 4096)
+
+
+async def rts_before_the_answer(ctx: Ctx) -> None:
+    """DP-1.2-2: a SUBMIT sent the moment the host's QP is in RTS is served."""
+    session = await ctx.open(lease=False)
+    data = os.urandom(4096)
+    src = await session.region(4096, READ, fill=data)
+    done = await session.run(wire.Kind.CRC32C, src.span())
+    assert done.ok, done
+
+
+# ---------------------------------------------------------------- 1.3
+
+
+async def dial_only_the_caller(ctx: Ctx) -> None:
+    """DP-1.3-1: 127.0.0.2 is not the caller's address (127.0.0.1)."""
+    other = RawTcpHost(bind="127.0.0.2")
+    ctx._hosts.append(other)
+    other.listen()
+    stubs = ctx.stubs()
+    request = ctx.request(other)
+    assert await code_of(stubs.sessions.OpenSession(request, timeout=30)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    await asyncio.sleep(0.2)
+    assert other.accepted == 0, "the agent connected to an address the caller is not at"
+
+
+async def _refused_listener(ctx: Ctx, first: bytes) -> tuple[grpc.aio.AioRpcError, RawTcpHost]:
+    host = ctx.host()
+    assert isinstance(host, RawTcpHost)
+    host.listen(hello=first)
+    error = await error_of(ctx.stubs().sessions.OpenSession(ctx.request(host), timeout=30))
+    await asyncio.wait_for(host.eof.wait(), 10)  # the agent closed the connection
+    return error, host
+
+
+async def nothing_before_the_hello(ctx: Ctx) -> None:
+    """DP-1.3-2: wrong token, another frame first, a short HELLO, silence (3 s)."""
+    firsts = [
+        wire.hello(os.urandom(32)),
+        wire.capsule_frame(wire.cancel(1)),
+        wire.frame(wire.Ft.HELLO, length=31) + bytes(31),
+        b"",
+    ]
+    started = time.monotonic()
+    results = await asyncio.gather(*(_refused_listener(ctx, first) for first in firsts))
+    for (error, host), first in zip(results, firsts, strict=True):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, (first, error)
+        assert host.accepted == 1
+        assert host.agent_hello is None, f"the agent sent {host.agent_hello!r} after {first!r}"
+    assert time.monotonic() - started < 10, "the agent waited far longer than 3 s for a HELLO"
+
+
+async def every_failure_reads_the_same(ctx: Ctx) -> None:
+    """DP-1.3-3: a closed port, a stranger's listener, a wrong token."""
+    closed = _closed_port()
+    stubs = ctx.stubs()
+    stranger = socket.create_server(("127.0.0.1", 0))
+    try:
+        stranger_port = stranger.getsockname()[1]
+        answers = [
+            await error_of(
+                stubs.sessions.OpenSession(
+                    ctx.request(
+                        ctx.host(), host_endpoint=tcp_endpoint(port=port, token=os.urandom(32))
+                    ),
+                    timeout=30,
+                )
+            )
+            for port in (closed, stranger_port)
+        ]
+    finally:
+        stranger.close()
+    answers.append((await _refused_listener(ctx, wire.hello(os.urandom(32))))[0])
+    assert {a.code() for a in answers} == {grpc.StatusCode.UNAVAILABLE}
+    assert len({a.details() for a in answers}) == 1, [a.details() for a in answers]
+
+
+async def agent_hello(ctx: Ctx) -> None:
+    """DP-1.3-4 (`Ctx.open` checked the HELLO carries the answer's token)."""
+    one = await ctx.open(lease=False)
+    two = await ctx.open(lease=False)
+    tokens = [s.reply.agent_endpoint.tcp.token for s in (one, two)]
+    assert all(len(t) == 32 for t in tokens)
+    assert tokens[0] != tokens[1], "the agent's tokens must be fresh per session"
+    assert (await one.get()).agent_endpoint.tcp.token == b""
+    listed = await one.stubs.sessions.ListSessions(session_pb2.ListSessionsRequest(page_size=1000))
+    assert all(s.agent_endpoint.tcp.token == b"" for s in listed.sessions)
+
+
+# ---------------------------------------------------------------- 1.4
+
+
+async def lease_metadata(ctx: Ctx) -> None:
+    """DP-1.4-1: the metadata comes though no completion ever does."""
+    session = await ctx.open(lease=False)
+    call = session.watch(job_pb2.JOB_ORIGIN_CAPSULE)
+    await asyncio.wait_for(call.initial_metadata(), 5)
+    assert not call.done()
+    call.cancel()
+
+
+async def never_watched(ctx: Ctx) -> None:
+    """DP-1.4-3 (timers profile: first_watch_timeout 1 s)."""
+    session = await ctx.open("timers", lease=False)
+    opened = time.monotonic()
+    job = await session.slow_write()
+    await asyncio.sleep(TIMERS["first_watch"] * 0.6)
+    assert (await session.get()).state == session_pb2.SESSION_STATE_ACTIVE, "closed too early"
+    cancelled = await session.completion_for(job, timeout=5)
+    assert cancelled.state == wire.St.CANCELLED, cancelled
+    gone = await _gone_after(session)
+    assert TIMERS["first_watch"] - 0.1 <= gone - opened <= TIMERS["first_watch"] + 2.5, (
+        gone - opened
+    )
+
+
+async def orphaned(ctx: Ctx) -> None:
+    """DP-1.4-4 (timers profile: orphan_timeout 1 s)."""
+    session = await ctx.open("timers")
+    await asyncio.sleep(TIMERS["orphan"] * 2.5)  # watched: it lives
+    assert (await session.get()).state == session_pb2.SESSION_STATE_ACTIVE
+    job = await session.slow_write()
+    session.lease.cancel()
+    left = time.monotonic()
+    await asyncio.sleep(TIMERS["orphan"] * 0.6)
+    assert (await session.get()).state == session_pb2.SESSION_STATE_ACTIVE, "closed too early"
+    cancelled = await session.completion_for(job, timeout=5)
+    assert cancelled.state == wire.St.CANCELLED, cancelled
+    gone = await _gone_after(session)
+    assert gone - left <= TIMERS["orphan"] + 2.5, gone - left
+
+
+async def _gone_after(session: Sess) -> float:
+    """When GetSession first answered NOT_FOUND (monotonic)."""
+    for _ in range(500):
+        code = await code_of(session.get())
+        if code == grpc.StatusCode.NOT_FOUND:
+            return time.monotonic()
+        await asyncio.sleep(0.02)
+    raise AssertionError("the session was never closed")
+
+
+async def sixteen_streams(ctx: Ctx) -> None:
+    """DP-1.4-5: the lease and 15 more; the 17th is refused."""
+    session = await ctx.open()
+    calls = [session.watch() for _ in range(15)]
+    await asyncio.gather(*(asyncio.wait_for(c.initial_metadata(), 10) for c in calls))
+    extra = session.watch()
+    assert await asyncio.wait_for(extra.code(), 10) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for call in calls:
+        call.cancel()
+
+
+async def _drain(call: Any) -> tuple[list[job_pb2.Completion], grpc.StatusCode]:
+    """Every message of a watch stream until it ends, and how it ended."""
+    found: list[job_pb2.Completion] = []
+    try:
+        async for message in call:
+            found.append(message)  # noqa: PERF401 - what came before an error counts too
+    except grpc.aio.AioRpcError as exc:
+        return found, exc.code()
+    return found, await call.code()
+
+
+async def origin_filter(ctx: Ctx) -> None:
+    """DP-1.4-6."""
+    session = await ctx.open()
+    src = await session.region(4096, READ, fill=os.urandom(4096))
+    dst = await session.region(4096, WRITE)
+    watchers = {
+        o: session.watch(o) for o in (job_pb2.JOB_ORIGIN_RPC, job_pb2.JOB_ORIGIN_CAPSULE, 0)
+    }
+    await asyncio.gather(*(c.initial_metadata() for c in watchers.values()))
+    capsule_job = await session.submit(wire.Kind.COPY, src.span(), dst.span())
+    assert (await session.completion_for(capsule_job)).ok
+    spec = job_pb2.JobSpec(
+        copy=job_pb2.CopyJob(source=session.ref(src), destination=session.ref(dst))
+    )
+    rpc_job = int((await session.submit_rpc(spec)).job_id)
+    await asyncio.sleep(0.3)
+    late = session.watch(job_pb2.JOB_ORIGIN_CAPSULE, include_retained=True)
+    await session.close()
+    seen = {o: await asyncio.wait_for(_drain(c), 10) for o, c in watchers.items()}
+    assert [m.job_id for m in seen[job_pb2.JOB_ORIGIN_RPC][0]] == [rpc_job]
+    assert [m.job_id for m in seen[job_pb2.JOB_ORIGIN_CAPSULE][0]] == [capsule_job]
+    assert sorted(m.job_id for m in seen[0][0]) == sorted([capsule_job, rpc_job])
+    assert [m.job_id for m in (await asyncio.wait_for(_drain(late), 10))[0]] == [capsule_job]
+
+
+def _region_message(
+    session: Sess, rid_: str, rkey: int, **fields: object
+) -> session_pb2.MemoryRegion:
+    values = {
+        "name": f"{session.name}/regions/{rid_}",
+        "addr": 0x1000_0000,
+        "length": 4096,
+        "rkey": rkey,
+        "access": [session_pb2.REGION_ACCESS_REMOTE_READ],
+    }
+    values.update(fields)
+    return session_pb2.MemoryRegion(**values)  # type: ignore[arg-type]
+
+
+async def _advertise(session: Sess, *regions: session_pb2.MemoryRegion) -> grpc.StatusCode:
+    return await code_of(
+        session.stubs.sessions.AdvertiseRegions(
+            session_pb2.AdvertiseRegionsRequest(
+                session=session.name,
+                regions=regions,
+                request_id=rid(),
+            )
+        )
+    )
+
+
+async def regions_all_or_none(ctx: Ctx) -> None:
+    """DP-1.4-7."""
+    session = await ctx.open(lease=False)
+    exists = grpc.StatusCode.ALREADY_EXISTS
+    assert await _advertise(session, _region_message(session, "a", 1)) == grpc.StatusCode.OK
+    new = _region_message(session, "b", 2)
+    assert await _advertise(session, new, _region_message(session, "a", 3)) == exists  # id
+    assert await _advertise(session, new, _region_message(session, "c", 1)) == exists  # rkey
+    assert await _advertise(session, new, _region_message(session, "b", 4)) == exists  # twice
+    assert await _advertise(session, new, _region_message(session, "d", 2)) == exists
+    assert await _advertise(session, new) == grpc.StatusCode.OK, "a refused request added a region"
+    assert (await session.get()).counters.regions == 2
+
+
+async def regions_invalid(ctx: Ctx) -> None:
+    """DP-1.4-8."""
+    session = await ctx.open(lease=False)
+    bad = [
+        _region_message(session, "a", 1, access=[]),
+        _region_message(session, "a", 1, length=0),
+        _region_message(session, "a", 1, length=(2**32 - 1) * 1024 + 1),
+        _region_message(session, "a", 1, addr=2**64 - 100, length=101),
+        _region_message(session, "a", 1, name="sessions/s-000000000000/regions/a"),
+        _region_message(session, "a", 1, name=f"{session.name}/regions/Not_A_Label"),
+    ]
+    for region in bad:
+        assert await _advertise(session, region) == INVALID, region
+    assert await _advertise(session, _region_message(session, "a", 1, addr=2**64 - 4096)) == (
+        grpc.StatusCode.OK
+    ), "a region that ends at 2^64 is valid"
+
+
+async def regions_per_session(ctx: Ctx) -> None:
+    """DP-1.4-9."""
+    session = await ctx.open(lease=False)
+    first = [_region_message(session, f"r{i}", i + 1) for i in range(1000)]
+    assert await _advertise(session, *first) == grpc.StatusCode.OK
+    more = [_region_message(session, f"s{i}", 5000 + i) for i in range(25)]
+    assert await _advertise(session, *more) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (await session.get()).counters.regions == 1000
+    assert await _advertise(session, *more[:24]) == grpc.StatusCode.OK
+    assert await _advertise(session, more[24]) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def withdraw_region(ctx: Ctx) -> None:
+    """DP-1.4-10."""
+    session = await ctx.open(lease=False)
+    src = await session.region(4096, READ, fill=os.urandom(4096))
+    assert (await session.run(wire.Kind.CRC32C, src.span())).ok
+    name = session.names[src.rkey]
+    await session.stubs.sessions.WithdrawRegion(
+        session_pb2.WithdrawRegionRequest(name=name, request_id=rid())
+    )
+    failed = await session.run(wire.Kind.CRC32C, src.span())
+    assert (failed.state, failed.status) == (wire.St.FAILED, 3), failed
+    again = session.stubs.sessions.WithdrawRegion(
+        session_pb2.WithdrawRegionRequest(name=name, request_id=rid())
+    )
+    assert await code_of(again) == grpc.StatusCode.NOT_FOUND
+
+
+async def addresses_are_names(ctx: Ctx) -> None:
+    """DP-1.4-11 (tcp: the host names its memory as it likes)."""
+    session = await ctx.open(lease=False)
+    host = session.host
+    assert isinstance(host, RawTcpHost)
+    data = os.urandom(8192)
+    src = host.region(8192, READ, addr=0x10, rkey=0xFFFF_FFFF)
+    src.view[:] = data
+    dst = host.region(8192, WRITE, addr=2**64 - 8192, rkey=1)
+    await session.advertise(src, dst)
+    done = await session.run(wire.Kind.COPY, src.span(), dst.span())
+    assert done.ok, done
+    assert bytes(dst.data) == data
+
+
+async def volume_handles(ctx: Ctx) -> None:
+    """DP-1.4-12."""
+    session = await ctx.open(lease=False)
+    one, two = await ctx.volume(), await ctx.volume()
+    handle = await session.attach(one)
+    assert 1 <= handle < 2**32
+    assert await session.attach(one) == handle
+    other = await session.attach(two)
+    assert 1 <= other < 2**32
+    assert other != handle
+
+
+async def key_handles(ctx: Ctx) -> None:
+    """DP-1.4-13."""
+    session = await ctx.open(lease=False)
+    for size in (0, 15, 17, 31, 33, 64):
+        assert await code_of(session.key(os.urandom(size))) == INVALID, size
+    handles = [await session.key(os.urandom(size)) for size in (16, 24, 32)]
+    assert all(1 <= h < 2**32 for h in handles)
+    assert len(set(handles)) == 3
+
+
+# ---------------------------------------------------------------- 1.5
+
+
+async def close_cancels_and_answers(ctx: Ctx) -> None:
+    """DP-1.5-1: a job between chunks, and (tcp) one whose READ is outstanding."""
+    session = await ctx.open()
+    jobs = [await session.slow_write()]
+    if ctx.tcp:
+        jobs.append((await session.held_copy())[0])
+    await asyncio.sleep(0.2)
+    await session.close()
+    for job in jobs:
+        done = await session.completion_for(job, timeout=5)
+        assert (done.state, done.status) == (wire.St.CANCELLED, 1), done
+        assert done.message == "session closed", done
+    if ctx.tcp:
+        await asyncio.wait_for(session.host.eof.wait(), 5)
+
+
+async def close_keeps_origins(ctx: Ctx) -> None:
+    """DP-1.5-2."""
+    session = await ctx.open()
+    watchers = {
+        o: session.watch(o) for o in (job_pb2.JOB_ORIGIN_RPC, job_pb2.JOB_ORIGIN_CAPSULE, 0)
+    }
+    await asyncio.gather(*(c.initial_metadata() for c in watchers.values()))
+    capsule_job = await session.slow_write()
+    rpc_job = await session.slow_rpc()
+    await asyncio.sleep(0.2)
+    await session.close()
+    seen = {o: (await asyncio.wait_for(_drain(c), 10))[0] for o, c in watchers.items()}
+    cancelled = job_pb2.JOB_STATE_CANCELLED
+    assert [(m.job_id, m.state) for m in seen[job_pb2.JOB_ORIGIN_RPC]] == [(rpc_job, cancelled)]
+    assert [(m.job_id, m.state) for m in seen[job_pb2.JOB_ORIGIN_CAPSULE]] == [
+        (capsule_job, cancelled)
+    ]
+    assert sorted(m.job_id for m in seen[0]) == sorted([capsule_job, rpc_job])
+
+
+async def close_ends_everything(ctx: Ctx) -> None:
+    """DP-1.5-3."""
+    session = await ctx.open()
+    await session.region(4096)
+    await session.close()
+    assert await code_of(session.get()) == grpc.StatusCode.NOT_FOUND
+    assert await asyncio.wait_for(session.lease.code(), 5) == grpc.StatusCode.OK
+    if ctx.tcp:
+        await asyncio.wait_for(session.host.eof.wait(), 5)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _closed_port() -> int:
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return int(port)
