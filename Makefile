@@ -2,7 +2,8 @@
 #   make demo   set up from a fresh machine, start the agent, call it via SDK, CLI and grpcurl
 #   make test   set up, lint, host suites, then the soft-RoCE VM suite (fails if it skipped)
 #   make bench  benchmarks, then the report: bench/REPORT.md, bench/results/report.json
-#   make lint   ruff, ruff format --check, mypy --strict, stale generated-code check, deploy files
+#   make lint   ruff, ruff format --check, mypy --strict, stale generated-code check, deploy files,
+#               every MUST of docs/data-plane.md has a conformance row
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 .DEFAULT_GOAL := help
@@ -34,7 +35,8 @@ docs: venv  ## regenerate docs/api.md from the protos and their comments
 check-docs: venv  ## fail if docs/api.md is stale
 	$(PY) scripts/gen_api_docs.py --check
 
-lint: venv check-proto check-docs lint-deploy  ## ruff + mypy --strict on our code (not generated stubs), lint-deploy
+lint: venv check-proto check-docs lint-deploy  ## ruff + mypy --strict on our code (not generated stubs), lint-deploy, spec rules
+	$(PY) scripts/check_spec_rules.py
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy $(LINT_PATHS)
