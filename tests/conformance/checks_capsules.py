@@ -18,7 +18,7 @@ import host_client
 from dpu_wire import capsule as sdk_capsule
 from dpu_wire.v1 import job_pb2
 from tests.conformance import wire
-from tests.conformance.harness import CHUNK, Ctx, HostRegion, Sess, code_of
+from tests.conformance.harness import CHUNK, PROMPT, WAIT, Ctx, HostRegion, Sess, code_of
 from tests.conformance.rawtcp import READ, WRITE, RawTcpHost
 from tests.conformance.rawverbs import RawVerbsHost
 from tests.conformance.shutdown import shutdown_scenario
@@ -321,18 +321,18 @@ async def cancel_now(ctx: Ctx) -> None:
     await asyncio.sleep(0.3)
     sent = time.monotonic()
     await session.send(wire.cancel(job))
-    done = await session.completion_for(job, timeout=5)
+    done = await session.completion_for(job, timeout=WAIT)
     assert (done.state, done.status, done.message) == (St.CANCELLED, 1, "cancelled by request"), (
         done
     )
-    assert time.monotonic() - sent < 1.0, "the CANCEL took effect late"
+    assert time.monotonic() - sent < PROMPT, "the CANCEL took effect only when the job ended"
     if isinstance(session.host, RawTcpHost):
         job, read, _ = await session.held_copy()
         sent = time.monotonic()
         await session.send(wire.cancel(job))
-        done = await session.completion_for(job, timeout=5)
+        done = await session.completion_for(job, timeout=WAIT)
         assert (done.state, done.status) == (St.CANCELLED, 1), done
-        assert time.monotonic() - sent < 1.0, "the CANCEL waited for the outstanding READ"
+        assert time.monotonic() - sent < PROMPT, "the CANCEL waited for the outstanding READ"
         await session.host.answer_read(read)  # late, harmless
         session.host.hold_reads = False
         src, dst2 = await _buffers(session)
@@ -478,7 +478,7 @@ async def too_long(ctx: Ctx) -> None:
     session = await ctx.open()
     if isinstance(session.host, RawTcpHost):
         await session.host.send(wire.frame(wire.Ft.CAPSULE, length=257) + bytes(257))
-        await asyncio.wait_for(session.host.eof.wait(), 5)
+        await asyncio.wait_for(session.host.eof.wait(), WAIT)
     else:
         assert isinstance(session.host, RawVerbsHost)
         await session.host.send_oversized(300)
@@ -628,7 +628,7 @@ async def deadlines(ctx: Ctx) -> None:
     done = await session.completion_for(job, timeout=10)
     took = time.monotonic() - sent
     assert (done.state, done.status) == (St.FAILED, 4), done
-    assert 0.4 < took < 1.5, took
+    assert 0.45 <= took < PROMPT, took
     src, dst = await _buffers(session)
     assert (await session.run(K.COPY, src.span(), dst.span(), deadline_ms=0)).ok
     if isinstance(session.host, RawTcpHost):
@@ -637,7 +637,7 @@ async def deadlines(ctx: Ctx) -> None:
         done = await session.completion_for(job, timeout=10)
         took = time.monotonic() - sent
         assert (done.state, done.status) == (St.FAILED, 4), done
-        assert 0.25 < took < 1.5, f"DEADLINE_EXCEEDED after {took:.2f} s with a READ outstanding"
+        assert 0.25 <= took < PROMPT, f"DEADLINE_EXCEEDED after {took:.2f} s, a READ outstanding"
         await session.host.answer_read(read)
 
 
@@ -653,7 +653,7 @@ async def late_answers_touch_nothing(ctx: Ctx) -> None:
     src_b = await session.region(4096, READ, fill=data)
     dst_b = await session.region(4096, WRITE)
     job_b = await session.submit(K.COPY, src_b.span(), dst_b.span())
-    read_b = await asyncio.wait_for(host.held.get(), 5)
+    read_b = await asyncio.wait_for(host.held.get(), WAIT)
     host.hold_reads = False
     garbage = b"\xee" * read_a.length
     await host.send(

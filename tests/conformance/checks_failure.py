@@ -13,7 +13,7 @@ import host_client
 from dpu_wire.v1 import job_pb2, session_pb2
 from tests.conformance import wire
 from tests.conformance.checks_session import _drain
-from tests.conformance.harness import GRACE, TIMERS, Ctx, Sess, code_of, rid
+from tests.conformance.harness import GRACE, PROMPT, TIMERS, Ctx, Sess, code_of, rid
 from tests.conformance.shutdown import shutdown_scenario
 from tests.conformance.wire import St
 
@@ -44,7 +44,7 @@ async def failure_fails_jobs_and_session(ctx: Ctx) -> None:
 
 
 async def failed_stays_listed(ctx: Ctx) -> None:
-    """DP-4-2 (issue 14, item 13): main profile (30 s) and timers profile (2 s)."""
+    """DP-4-2 (issue 14, item 13): main profile (30 s) and short profile (2 s)."""
     session = await ctx.open()
     await _fail(session)
     failed_at = time.monotonic()
@@ -56,20 +56,19 @@ async def failed_stays_listed(ctx: Ctx) -> None:
     assert session.name in [s.name for s in listed.sessions]
     assert time.monotonic() - failed_at < 30
     await session.close()
-    for watched in (True, False):
-        timed = await ctx.open("timers")
-        if not watched:
-            timed.lease.cancel()
-        await _fail(timed)
-        failed_at = time.monotonic()
-        await asyncio.sleep(TIMERS["failed_retention"] * 0.6)
-        assert (await timed.get()).state == FAILED, f"forgotten early (watched: {watched})"
-        for _ in range(250):
-            if await code_of(timed.get()) == grpc.StatusCode.NOT_FOUND:
-                break
-            await asyncio.sleep(0.02)
-        gone = time.monotonic() - failed_at
-        assert TIMERS["failed_retention"] - 0.1 <= gone <= TIMERS["failed_retention"] + 2.5, gone
+    # the short profile: orphan_timeout 1 s, failed_retention 2 s; a failed session's
+    # watch streams end, so no host watches it, and it must not be reaped as orphaned
+    timed = await ctx.open("short")
+    await _fail(timed)
+    failed_at = time.monotonic()
+    await asyncio.sleep(TIMERS["failed_retention"] * 0.6)
+    assert (await timed.get()).state == FAILED, "forgotten before failed_retention"
+    for _ in range(1000):
+        if await code_of(timed.get()) == grpc.StatusCode.NOT_FOUND:
+            break
+        await asyncio.sleep(0.02)
+    gone = time.monotonic() - failed_at
+    assert TIMERS["failed_retention"] - 0.1 <= gone <= TIMERS["failed_retention"] + PROMPT, gone
 
 
 async def failed_watch_streams(ctx: Ctx) -> None:
@@ -139,7 +138,7 @@ async def then_cancelled(ctx: Ctx) -> None:
     seen = await shutdown_scenario(ctx)
     long = seen.long
     assert (long.state, long.status, long.message) == (St.CANCELLED, 1, "agent shutting down"), long
-    assert GRACE - 0.5 <= seen.long_at <= GRACE + 5, seen.long_at
+    assert GRACE - 0.5 <= seen.long_at <= GRACE + PROMPT, seen.long_at
     assert [(state, code) for _, state, code in seen.rpc_long] == [(job_pb2.JOB_STATE_CANCELLED, 1)]
     assert seen.lease == grpc.StatusCode.OK
     assert seen.eof in (None, True)
@@ -149,8 +148,8 @@ async def then_cancelled(ctx: Ctx) -> None:
 
 
 async def sdk_holds_its_lease(ctx: Ctx) -> None:
-    """DP-1.4-2 (timers profile: unwatched sessions close after 1 s)."""
-    async with host_client.Client(ctx.agent("timers").address) as client:
+    """DP-1.4-2 (short profile: unwatched sessions close after 1 s)."""
+    async with host_client.Client(ctx.agent("short").address) as client:
         session = await client.open_session(transport=ctx.transport, rdma_device=ctx.device)
         async with session:
             await asyncio.sleep(3 * TIMERS["first_watch"])

@@ -14,7 +14,7 @@ from dpu_wire.transport import tcp as sdk_tcp
 from dpu_wire.transport.base import Access, TcpAddress
 from dpu_wire.v1 import job_pb2, session_pb2
 from tests.conformance import wire
-from tests.conformance.harness import CHUNK, TIMERS, Ctx, Sess
+from tests.conformance.harness import CHUNK, PROMPT, TIMERS, WAIT, Ctx, Sess
 from tests.conformance.rawtcp import READ, WRITE, RawTcpHost
 from tests.conformance.wire import Frame, Ft, Kind, Span, St
 
@@ -31,8 +31,8 @@ def _host(session: Sess) -> RawTcpHost:
 
 async def _ended(session: Sess) -> None:
     """The agent closed the connection and failed the session."""
-    await asyncio.wait_for(_host(session).eof.wait(), 5)
-    state = await session.wait_state(session_pb2.SESSION_STATE_FAILED, 5)
+    await asyncio.wait_for(_host(session).eof.wait(), WAIT)
+    state = await session.wait_state(session_pb2.SESSION_STATE_FAILED)
     assert state.state == session_pb2.SESSION_STATE_FAILED, state
     assert state.error.code == 14, state
 
@@ -123,7 +123,7 @@ async def answers_in_any_order(ctx: Ctx) -> None:
         src = await session.region(4096, READ, fill=data)
         dst = await session.region(4096, WRITE)
         pairs.append((await session.submit(Kind.COPY, src.span(), dst.span()), data, dst))
-    reads = [await asyncio.wait_for(host.held.get(), 5) for _ in pairs]
+    reads = [await asyncio.wait_for(host.held.get(), WAIT) for _ in pairs]
     host.hold_reads = False
     for read in reversed(reads):
         await host.answer_read(read)
@@ -296,8 +296,8 @@ async def refusal_ends_the_data_plane(ctx: Ctx) -> None:
 
 
 async def unanswered_requests(ctx: Ctx) -> None:
-    """DP-3-7 (timers profile: op_timeout 1 s), also for a job that has ended."""
-    session = await ctx.open("timers")
+    """DP-3-7 (short profile: op_timeout 1 s), also for a job that has ended."""
+    session = await ctx.open("short")
     job, _, _ = await session.held_copy()
     await session.send(wire.cancel(job))
     assert (await session.completion_for(job)).state == St.CANCELLED
@@ -305,7 +305,7 @@ async def unanswered_requests(ctx: Ctx) -> None:
     await asyncio.sleep(TIMERS["op_timeout"] * 0.6)
     assert (await session.get()).state == session_pb2.SESSION_STATE_ACTIVE, "failed too early"
     await _ended(session)
-    assert time.monotonic() - posted < TIMERS["op_timeout"] + 3
+    assert time.monotonic() - posted < TIMERS["op_timeout"] + PROMPT
 
 
 async def peer_closed(ctx: Ctx) -> None:

@@ -1,6 +1,6 @@
 """Agent shutdown (docs/data-plane.md section 5), seen once per transport.
 
-One agent of the `shutdown` profile (grace_period 4 s) gets SIGTERM while a session
+The main agent (grace_period 4 s) gets SIGTERM, after every other row, while a session
 has three jobs open: one that finishes in about 2 s (within the grace period), one
 that would take half a minute, and a SubmitJob job as long. During the drain the
 scenario tries new work of every kind. Several rows of the table check what it saw.
@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dpu_wire.v1 import job_pb2
 from tests.conformance import wire
-from tests.conformance.harness import Ctx, Stubs, code_of
+from tests.conformance.harness import WAIT, Ctx, Stubs, code_of
 from tests.conformance.rawtcp import READ, WRITE, RawTcpHost
 
 
@@ -43,7 +43,7 @@ class Seen:
 async def _draining(stubs: Stubs) -> float:
     health = health_pb2_grpc.HealthStub(stubs.channel)
     for _ in range(500):
-        reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=WAIT)
         if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
             await asyncio.sleep(0.1)  # the session manager drains right behind the health flag
             return time.monotonic()
@@ -62,7 +62,7 @@ async def shutdown_scenario(ctx: Ctx) -> Seen:
 
 
 async def _run(ctx: Ctx) -> Seen:
-    agent = ctx.agents.fresh("shutdown")
+    agent = ctx.agents.take("main")  # the rows that look at this run last
     try:
         stubs = ctx.stubs(address=agent.address)
         session = await ctx.open(stubs=stubs)

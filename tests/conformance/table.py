@@ -36,6 +36,11 @@ class Row(NamedTuple):
     check: Callable[[Ctx], Awaitable[None]]
     note: str = ""
 
+    @property
+    def last(self) -> bool:
+        """Whether the row looks at the shutdown scenario, which stops the main agent."""
+        return "shutdown scenario" in self.note
+
 
 ROWS: Final = (
     # 1.1 OpenSession
@@ -46,7 +51,7 @@ ROWS: Final = (
     Row("DP-1.1-5", BOTH, c1.transport_not_offered, "the agent offers only the run's transport"),
     Row("DP-1.1-6", BOTH, c1.endpoint_of_the_other_kind),
     Row("DP-1.1-7", BOTH, c1.endpoint_and_depth),
-    Row("DP-1.1-8", BOTH, c1.limits, "per connection and per tenant; agent-wide is the same path"),
+    Row("DP-1.1-8", BOTH, c1.limits, "short profile; per connection and per tenant"),
     Row("DP-1.1-9", TCP, c1.failed_connect_leaves_nothing, "RC connects fail only locally"),
     Row("DP-1.1-10", BOTH, c1.the_answer),
     # 1.2 verbs
@@ -60,9 +65,9 @@ ROWS: Final = (
     Row("DP-1.3-5", TCP, c3.host_keeps_the_right_connection, "the SDK's host link"),
     # 1.4 after the connection
     Row("DP-1.4-1", BOTH, c1.lease_metadata),
-    Row("DP-1.4-2", BOTH, c4.sdk_holds_its_lease, "the SDK"),
-    Row("DP-1.4-3", BOTH, c1.never_watched, "timers profile"),
-    Row("DP-1.4-4", BOTH, c1.orphaned, "timers profile"),
+    Row("DP-1.4-2", BOTH, c4.sdk_holds_its_lease, "the SDK; short profile"),
+    Row("DP-1.4-3", BOTH, c1.never_watched, "short profile"),
+    Row("DP-1.4-4", BOTH, c1.orphaned, "short profile"),
     Row("DP-1.4-5", BOTH, c1.sixteen_streams),
     Row("DP-1.4-6", BOTH, c1.origin_filter),
     Row("DP-1.4-7", BOTH, c1.regions_all_or_none),
@@ -100,7 +105,7 @@ ROWS: Final = (
     Row("DP-2.5-4", BOTH, c2.undecodable),
     Row("DP-2.5-5", BOTH, c2.completion_from_host),
     Row("DP-2.5-6", BOTH, c2.reserved_and_reused_ids),
-    Row("DP-2.5-7", BOTH, c2.admission_order),
+    Row("DP-2.5-7", BOTH, c2.admission_order, "draining first: the shutdown scenario"),
     # 2.6 credits, ordering, deadlines
     Row("DP-2.6-1", BOTH, c2.queue_credits),
     Row("DP-2.6-2", BOTH, c2.slot_before_completion),
@@ -118,11 +123,11 @@ ROWS: Final = (
     Row("DP-3-4", TCP, c3.answers_in_any_order),
     Row("DP-3-5", TCP, c3.host_checks_like_a_nic, "the SDK's host link"),
     Row("DP-3-6", TCP, c3.refusal_ends_the_data_plane),
-    Row("DP-3-7", TCP, c3.unanswered_requests, "timers profile"),
+    Row("DP-3-7", TCP, c3.unanswered_requests, "short profile"),
     Row("DP-3-8", TCP, c3.peer_closed),
     # 4 failure
     Row("DP-4-1", BOTH, c4.failure_fails_jobs_and_session),
-    Row("DP-4-2", BOTH, c4.failed_stays_listed, "main and timers profiles"),
+    Row("DP-4-2", BOTH, c4.failed_stays_listed, "main and short profiles"),
     Row("DP-4-3", BOTH, c4.failed_watch_streams),
     Row("DP-4-4", BOTH, c4.failed_takes_no_jobs),
     Row("DP-4-5", BOTH, c4.close_failed),
@@ -134,5 +139,5 @@ ROWS: Final = (
 
 
 def rows_for(transport: str) -> list[Row]:
-    """The rows checked over `transport`."""
-    return [row for row in ROWS if transport in row.transports]
+    """The rows checked over `transport`, those of the shutdown scenario last."""
+    return sorted((row for row in ROWS if transport in row.transports), key=lambda row: row.last)
