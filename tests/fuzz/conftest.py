@@ -82,6 +82,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         by_target.setdefault(target, []).append(f"{outcome}={n}")
     for target, outcomes in by_target.items():
         write(f"  {target}: {' '.join(outcomes)}")
+    for note in STATS.notes:
+        write(f"  {note}")
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,7 @@ class FuzzStats:
     outcomes: collections.Counter[tuple[str, str]] = dataclasses.field(
         default_factory=collections.Counter
     )
+    notes: list[str] = dataclasses.field(default_factory=list)  # figures for the summary
     started: float = 0.0  # monotonic and process CPU time at the first case
     cpu_started: float = 0.0
     agent_cpu_s: float = 0.0
