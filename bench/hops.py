@@ -1,6 +1,6 @@
 """Where a 4 KiB copy job's time goes: a per-hop timeline of both processes, same run.
 
-    python -m bench.hops [--transport verbs|tcp] [--jobs N]
+    python -m bench.hops [--transport verbs|tcp] [--jobs N] [--poll-mode MODE]
 
 Starts an agent whose data-plane methods are wrapped to stamp `time.perf_counter_ns()`
 (CLOCK_MONOTONIC, comparable across processes on one machine), runs N sequential copy
@@ -14,6 +14,16 @@ hop:
     agent  complete   WRITE and COMPLETION posted                    A2 -> A3
     wire   completion until the SDK's link hands the capsule over    A3 -> H2
     host   wake       the awaiting task runs again                   H2 -> H3
+
+and, per side, the time inside the job's span spent in posting (verbs: the
+`ibv_post_send` of a prepared work request; tcp: the `sendmsg` of the queued frames),
+in polling (verbs: the CQs; tcp: `recv` and frame parsing; empty polls included, the
+callbacks they made excluded) and in the callbacks (the agent's pipeline, the SDK's
+completion handler: the job logic, their posts included). A wire hop is everything
+between the two stamps: the device or the kernel, and the receiving side's loop
+until it looks (its wake-up, or the rest of a poll pass). Last, the CPU time each
+thread of either process used per job during the run (from /proc), so a thread that
+competes with the data plane for the GIL or the CPUs shows.
 
 Nothing here changes the product: the wrappers are installed by this module only
 (each costs a Python call and a clock read, a few microseconds under TCG, counted in
@@ -37,6 +47,7 @@ from pathlib import Path
 from typing import Any, Final
 
 STAMPS_ENV: Final = "DPU_HOPS_FILE"
+SWITCH_ENV: Final = "DPU_HOPS_SWITCH_INTERVAL"
 HOPS: Final = (
     ("host", "submit", "H0", "H1"),
     ("wire", "capsule", "H1", "A0"),
@@ -82,14 +93,18 @@ def _accumulate(cls: Any, method: str, key: str) -> None:  # noqa: ANN401
     setattr(cls, method, wrapped)
 
 
-def _install_verbs_timers() -> None:
+def _install_timers() -> None:
+    """Time spent in posts and polls (both transports) and in the links' callbacks."""
+    from dpu_wire.transport import tcp  # noqa: PLC0415
+
+    _accumulate(tcp.FrameStream, "flush", "post")  # the sendmsg of what was queued
+    _accumulate(tcp.FrameStream, "receive", "poll")
     try:
         from dpu_wire.transport.verbs import _QueuePair  # noqa: PLC0415
     except ImportError:
         return
-    _accumulate(_QueuePair, "_post", "post")
-    _accumulate(_QueuePair, "_poll_recv", "recv")
-    _accumulate(_QueuePair, "poll_sends", "sends")
+    _accumulate(_QueuePair, "_post", "post")  # ibv_post_send of a prepared work request
+    _accumulate(_QueuePair, "poll", "poll")
 
 
 def _install_agent() -> None:
@@ -103,10 +118,12 @@ def _install_agent() -> None:
         links.append(VerbsAgentLink)
     except ImportError:
         pass
-    _install_verbs_timers()
+    _install_timers()
     _wrap(Pipeline, "on_capsule", "A0", None)
     _wrap(Pipeline, "_perform", "Ap", None)
     _wrap(Pipeline, "on_done", "A2", None)
+    _accumulate(Pipeline, "on_capsule", "callbacks")
+    _accumulate(Pipeline, "on_done", "callbacks")
     for link in links:
         _wrap(link, "post_read", None, "A1")
         _wrap(link, "post_send", None, "A3")
@@ -123,10 +140,11 @@ def _install_host() -> None:
         links.append(VerbsHostLink)
     except ImportError:
         pass
-    _install_verbs_timers()
+    _install_timers()
     for link in links:
         _wrap(link, "send", None, "H1")
     _wrap(Session, "_on_capsule", "H2", None)
+    _accumulate(Session, "_on_capsule", "callbacks")
 
 
 def _dump(path: str) -> None:
@@ -136,6 +154,8 @@ def _dump(path: str) -> None:
 def agent_main() -> None:
     """The agent, wrapped (run as `python -m bench.hops agent ARGS...`)."""
     _install_agent()
+    if os.environ.get(SWITCH_ENV):
+        sys.setswitchinterval(float(os.environ[SWITCH_ENV]))
     atexit.register(_dump, os.environ[STAMPS_ENV])
     from dpu_agent.cli import main  # noqa: PLC0415
 
@@ -145,7 +165,49 @@ def agent_main() -> None:
     raise SystemExit(code)
 
 
-async def _client(target: str, transport: str, jobs: int) -> None:
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) each thread of process `pid` used so far (from /proc).
+
+    Keyed "main" for the main thread, else "<comm> <tid>" (Python threads are all named
+    after the program there; gRPC's own threads have their own names).
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        name = "main" if task.name == str(pid) else f"{comm} {task.name}"
+        fields = stat[stat.rindex(")") + 2 :].split()
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return found
+
+
+def cpu_rows(
+    side: str, before: dict[str, float], after: dict[str, float], jobs: int, wall_s: float
+) -> list[dict[str, Any]]:
+    """Per thread of a process: CPU microseconds per job and share of the wall time."""
+    rows = []
+    for name in sorted(after, key=lambda n: before.get(n, 0.0) - after[n]):
+        used = after[name] - before.get(name, 0.0)
+        if used > 0:
+            rows.append(
+                {
+                    "side": side,
+                    "thread": name,
+                    "cpu_us_per_job": round(used / jobs * 1e6, 1),
+                    "cpu_share": round(used / wall_s, 3),
+                }
+            )
+    return rows
+
+
+_cpu: list[dict[str, Any]] = []
+
+
+async def _client(target: str, transport: str, jobs: int, agent_pid: int) -> None:
     import host_client  # noqa: PLC0415
 
     async with (
@@ -158,14 +220,19 @@ async def _client(target: str, transport: str, jobs: int) -> None:
         for _ in range(50):  # warm up
             await (await session.submit(request))
         _stamps.clear()
+        agent0, host0, start = thread_cpu(agent_pid), thread_cpu(os.getpid()), time.monotonic()
         for _ in range(jobs):
             _stamp("H0")
             job = await session.submit(request)
             await job
             _stamp("H3")
+        wall = time.monotonic() - start
+        agent1, host1 = thread_cpu(agent_pid), thread_cpu(os.getpid())
+        _cpu[:] = cpu_rows("agent", agent0, agent1, jobs, wall)
+        _cpu.extend(cpu_rows("host", host0, host1, jobs, wall))
 
 
-_TIMERS: Final = ("post", "recv", "sends")
+_TIMERS: Final = ("post", "poll", "callbacks")
 
 
 def _jobs(stamps: list[tuple[str, int]], names: tuple[str, ...]) -> list[dict[str, int]]:
@@ -211,8 +278,15 @@ def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[di
     rows = []
     spans = [*HOPS, ("total", "job", "H0", "H3")]
     spans += [("agent", "admit (Python)", "A0", "Ap"), ("agent", "post READ", "Ap", "A1")]
+    for job in merged:  # a poll's time includes the callbacks it made: take them out
+        for side in ("host", "agent"):
+            job[f"{side} poll"] -= job[f"{side} callbacks"]
     for side in ("host", "agent"):
-        spans += [(side, f"in {k}", f"{side} {k}", "") for k in _TIMERS]
+        spans += [
+            (side, "in post", f"{side} post", ""),
+            (side, "in poll", f"{side} poll", ""),
+            (side, "in callbacks", f"{side} callbacks", ""),
+        ]
     for side, hop, start, end in spans:
         values = sorted(((job[end] - job[start]) if end else job[start]) / 1000 for job in merged)
         rows.append(
@@ -235,6 +309,12 @@ def main() -> None:
     parser.add_argument("--transport", default="verbs", choices=("verbs", "tcp"))
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--poll-mode", default="adaptive")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="the agent's sys.setswitchinterval in seconds (Python's default: 0.005), "
+        "to see what the GIL's hand-offs between its threads cost",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
@@ -247,6 +327,8 @@ def main() -> None:
             "DPU_AGENT_TRANSPORTS": args.transport,
             "DPU_AGENT_POLL_MODE": args.poll_mode,
         }
+        if args.switch_interval is not None:
+            env[SWITCH_ENV] = str(args.switch_interval)
         proc = subprocess.Popen(
             [sys.executable, "-m", "bench.hops", "agent", "serve", "--listen", "127.0.0.1:0",
              "--ready-file", str(ready), "--log-level", "warning"],
@@ -258,7 +340,7 @@ def main() -> None:
                     raise SystemExit("the agent exited before it was ready")
                 time.sleep(0.05)
             _install_host()
-            asyncio.run(_client(ready.read_text().strip(), args.transport, args.jobs))
+            asyncio.run(_client(ready.read_text().strip(), args.transport, args.jobs, proc.pid))
         finally:
             proc.terminate()
             proc.wait(30)
@@ -266,7 +348,12 @@ def main() -> None:
     for row in rows:
         side, hop, p50, p90 = row["side"], row["hop"], row["p50_us"], row["p90_us"]
         print(f"{side:<6} {hop:<15} p50 {p50:8.1f} us   p90 {p90:8.1f} us")
-    print(json.dumps({"transport": args.transport, "hops": rows}))
+    for cpu in _cpu:
+        print(
+            f"{cpu['side']:<6} thread {cpu['thread']:<22} CPU {cpu['cpu_us_per_job']:8.1f} us/job"
+            f"   {cpu['cpu_share'] * 100:5.1f} % of the wall time"
+        )
+    print(json.dumps({"transport": args.transport, "hops": rows, "cpu": _cpu}))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ Every result file carries `describe()` of the machine that measured it: for the 
 that `make bench` runs in the soft-RoCE test VM that is the guest (its kernel is the
 guest's `uname -r`, its CPU QEMU's), since `deploy/testvm/testvm.py` sets DPU_TESTVM=1
 there. The report adds `git_state()` of the checkout.
+
+`python_loop_s` is how fast Python runs on the machine right now: the seconds of a
+10**7-step loop, measured when the results are written. On the project's shared
+machine it moves by 2-3x over hours (and is ~7x slower in the TCG VM than on the host),
+so absolute figures from different runs do not compare; only same-run ratios do, and
+this number tells two runs' machines apart.
 """
 
 from __future__ import annotations
@@ -12,12 +18,14 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 # Debian packages whose versions matter to the figures (pyverbs has no Python metadata:
 # it is rdma-core's own build, see README).
 DEBIAN_PACKAGES = ("python3-pyverbs", "rdma-core", "perftest", "iproute2")
 PYTHON_PACKAGES = ("grpcio", "protobuf")
+LOOP_STEPS = 10**7
 
 
 def describe() -> dict[str, object]:
@@ -36,11 +44,20 @@ def describe() -> dict[str, object]:
         # other work shared the CPUs during the run and its figures are not comparable
         "load_average": [round(load, 2) for load in os.getloadavg()],
         "python": platform.python_version(),
+        "python_loop_s": round(python_loop_s(), 3),
         "versions": {
             **{name: _python_version(name) for name in PYTHON_PACKAGES},
             **{name: _debian_version(name) for name in DEBIAN_PACKAGES},
         },
     }
+
+
+def python_loop_s(steps: int = LOOP_STEPS) -> float:
+    """Seconds of `for _ in range(steps): pass`: the speed of Python on this machine now."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        pass
+    return time.perf_counter() - start
 
 
 def git_state(checkout: Path) -> dict[str, object]:

@@ -11,7 +11,9 @@ bench module needs nothing here). It writes
   for latencies so that > 1 is always better than the reference), each bench's machine
   and time, the host and test-VM machines, the git commit, the date;
 - bench/REPORT.md: per bench a table (figure, ours, reference, ratio, units, previous
-  run, notes), the machines, and the plots;
+  run, notes) and the bench's own tables (measurements without a reference, such as a
+  job's per-hop timeline), the machines (with the speed of Python during each bench:
+  its 10**7-step loop), and the plots;
 - bench/results/plots/*.png: the ratio of every figure (with the previous run's), and for
   each bench with a size sweep (results with `size` and `series`), ours and the
   reference against the message size.
@@ -80,6 +82,7 @@ class Figure:
     tolerance: float | None
     size: int | None = None
     series: str | None = None
+    note: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -141,6 +144,7 @@ def figure_from_row(bench: str, row: dict[str, Any]) -> Figure:
         tolerance=None if tolerance is None else float(tolerance),
         size=None if size is None else int(size),
         series=row.get("series"),
+        note=row.get("note"),
     )
 
 
@@ -276,7 +280,15 @@ def build(bench_docs: Sequence[dict[str, Any]], checkout: Path) -> dict[str, Any
     figures = []
     for doc in bench_docs:
         bench = str(doc["bench"])
-        benches.append({"bench": bench, "time": doc.get("time"), "machine": doc.get("machine", {})})
+        benches.append(
+            {
+                "bench": bench,
+                "time": doc.get("time"),
+                "machine": doc.get("machine", {}),
+                "tables": doc.get("tables") or [],
+                "quick": bool(doc.get("quick")),
+            }
+        )
         for row in doc["results"]:
             figure = figure_from_row(bench, row)
             extra = {k: v for k, v in row.items() if k not in _FIGURE_FIELDS}
@@ -353,20 +365,40 @@ def describe_machine(described: dict[str, Any]) -> str:
         f"kernel {described['kernel']}" if described.get("kernel") else None,
         described.get("os"),
         f"Python {described['python']}" if described.get("python") else None,
+        _loop_text(described),
         *(f"{name} {version}" for name, version in versions.items() if version),
     ]
     return "; ".join(str(part) for part in parts if part)
 
 
+def _loop_text(described: dict[str, Any]) -> str | None:
+    loop = described.get("python_loop_s")
+    return f"10^7-step Python loop {loop:.2f} s" if isinstance(loop, int | float) else None
+
+
 def notes(figure: Figure) -> str:
-    """The reference, which way is better, and the tolerance between runs."""
+    """The reference, which way is better, the tolerance between runs, the figure's note."""
     better = "higher is better" if figure.higher_is_better else "lower is better"
     tolerance = (
         "not compared between runs (tail latency)"
         if figure.tolerance is None
         else f"noise x{1 + figure.tolerance:.3g}"
     )
-    return f"vs {figure.reference_name}; {better}; {tolerance}"
+    note = f"; {figure.note}" if figure.note else ""
+    return f"vs {figure.reference_name}; {better}; {tolerance}{note}"
+
+
+def table_markdown(table: dict[str, Any]) -> list[str]:
+    """A bench's own table (title, columns, rows) as Markdown lines."""
+    columns = [str(c) for c in table.get("columns") or []]
+    if not columns:
+        return []
+    lines = ["", f"{table.get('title', '')}", "", "| " + " | ".join(columns) + " |"]
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    for row in table.get("rows") or []:
+        cells = [format_value(c) if isinstance(c, float) else str(c) for c in row]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown(
@@ -399,6 +431,11 @@ def markdown(
         values = list(changes.values())
         lines.append(f"- against the previous run: {summary(values)}")
     lines += [f"- **overloaded**: {note}" for note in overload_notes(report)]
+    quick = [str(b["bench"]) for b in report["benches"] if b.get("quick")]
+    if quick:
+        lines.append(
+            f"- **smoke run** (DPU_BENCH_QUICK=1, short, not official): {', '.join(quick)}"
+        )
     for bench in report["benches"]:
         name = bench["bench"]
         where = bench["machine"].get("where", "where not recorded")
@@ -407,7 +444,8 @@ def markdown(
             f"## {name}",
             "",
             f"Run {bench['time']}, {where}, kernel {bench['machine'].get('kernel', '?')}"
-            + _load_note(bench["machine"]),
+            + _load_note(bench["machine"])
+            + (" **Smoke run** (short durations)." if bench.get("quick") else ""),
             "",
             "| figure | ours | reference | ratio | units | previous run | notes |",
             "|---|---:|---:|---:|---|---|---|",
@@ -423,6 +461,8 @@ def markdown(
                 f"{format_value(figure.reference)} | {format_ratio(figure.ratio)} | "
                 f"{figure.unit} | {previous} | {notes(figure)} |"
             )
+        for table in bench.get("tables") or []:
+            lines += table_markdown(table)
     if plot_paths:
         lines += ["", "## Plots", ""]
         lines += [f"![{p.stem}]({os.path.relpath(p, md_dir)})" for p in plot_paths]
@@ -430,11 +470,15 @@ def markdown(
 
 
 def _load_note(described: dict[str, Any]) -> str:
+    loop = _loop_text(described)
+    speed = f", {loop}" if loop else ""
     why = overload(described)
     if why:
-        return f". **Overloaded** ({why}): other work shared the CPUs, not comparable."
+        return f"{speed}. **Overloaded** ({why}): other work shared the CPUs, not comparable."
     load = described.get("load_average")
-    return f", 5-min load {load[1]:.1f}." if isinstance(load, list) and len(load) > 1 else "."
+    if isinstance(load, list) and len(load) > 1:
+        return f", 5-min load {load[1]:.1f}{speed}."
+    return f"{speed}."
 
 
 def _previous_cell(change: Change) -> str:

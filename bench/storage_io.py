@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import host_client
-from bench.common import TAIL, Result, agent_process, write_results
+from bench.common import TAIL, Result, agent_process, quick, write_results
 from dpu_agent.storage import DataServices, FileVolumeStore
 
 if TYPE_CHECKING:
@@ -48,13 +48,13 @@ if TYPE_CHECKING:
 
 BLOCK = 4096
 VOLUME = 256 << 20
-OPS = 3000
+OPS = quick(3000, 300)
 DEPTHS = (1, 32)
-FUA_OPS = 1000
-P50_OPS = 2000
-SNAPSHOTS = 30
+FUA_OPS = quick(1000, 100)
+P50_OPS = quick(2000, 200)
+SNAPSHOTS = quick(30, 3)
 SNAPSHOT_SIZES = {"1 GiB": 1 << 30, "64 GiB": 64 << 30}
-CPU_OPS = 20000
+CPU_OPS = quick(20000, 2000)
 
 
 def _offsets(seed: int, count: int = OPS, size: int = VOLUME) -> list[int]:

@@ -1,55 +1,58 @@
-"""Jobs through the agent over verbs on rxe, vs perftest on the same port, same run.
+"""Jobs through the agent over verbs on rxe, vs perftest and the pyverbs floor, same run.
 
 Agent and host client are separate processes (as in production); the client uses
 the SDK. Needs an RDMA device, so `make bench` runs it in the soft-RoCE test VM:
 
     python3 deploy/testvm/testvm.py run -- .venv/bin/python -m bench.verbs_jobs
 
-- 4 KiB copy-job latency, one job in flight, submit to completion as the SDK sees
-  it (capsule SEND, the agent's RDMA READ and RDMA WRITE, completion SEND): p50 and
-  p99 vs `ib_write_lat -s 4096` typical and p99 (half a round trip of one WRITE: a
-  copy job is two round trips of RDMA plus two SENDs, so expect a ratio well below 1);
-- copy-job throughput at 64 KiB and 1 MiB with 16 jobs in flight, bytes the agent
-  WROTE per second vs `ib_write_bw` with 16 in flight (each job also READs as much).
+- `4 KiB copy job p50` / `p99`: one job in flight, submit to completion as the SDK sees
+  it (capsule SEND, the agent's RDMA READ and RDMA WRITE, completion SEND), against
+  `ib_write_lat -s 4096` typical and p99 (half a round trip of one WRITE: a copy job is
+  two round trips of RDMA plus two SENDs, so expect a ratio well below 1);
+- `4 KiB copy job p50, vs the pyverbs floor`: the same job against `bench.pyverbs_floor`
+  (the job written directly on pyverbs, two processes, busy polling: how far pure
+  Python goes on this device), and the floor's own ratio to ib_write_lat;
+- `copy jobs <size> x16` at 64 KiB and 1 MiB, 16 jobs in flight (submitted with
+  `submit_many`), bytes the agent WROTE per second against `ib_write_bw` with 16 in
+  flight (each job also READs as much);
+- `4 KiB copy job p50 (busy)` / `(event)`: the same with the agent's other polling
+  modes ([dataplane] poll_mode; the default, adaptive, polls for poll_spin = 2 ms after
+  the last activity, then sleeps on the completion channel). Under TCG a job takes
+  milliseconds, so the agent's idle gap between two jobs often exceeds 2 ms and
+  adaptive behaves as event mode; busy shows what polling through that gap gives;
+- a table: where the 4 KiB copy job's time goes, hop by hop in both processes
+  (`bench.hops`, a separate agent with timers, so its total is a little above the p50),
+  and the CPU each thread of either process used.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import statistics
-import time
 
 import host_client
-from bench import common
-from bench.common import TAIL, Result, agent_process
-from bench.verbs_write import IN_FLIGHT, perftest_bw, perftest_lat
-from dpu_wire.transport.verbs import find_port
+from bench import common, perftest
+from bench.common import TAIL, Result, Table, agent_process, quantile, quick
 
 NAME = "verbs_jobs"
-LAT_JOBS = 400
-BW_SECONDS = 4.0
+LAT_JOBS = quick(2000, 200)
+FLOOR_JOBS = quick(2000, 200)
+HOP_JOBS = quick(1000, 100)
+BW_SECONDS = quick(4.0, 0.5)
+BW_BYTES = quick(128 << 20, 16 << 20)  # ib_write_bw's count: a few seconds' worth
 SIZES = (64 << 10, 1 << 20)
+IN_FLIGHT = 16
 MIB = float(1 << 20)
 
 
-async def job_latency_us(target: str) -> tuple[float, float]:
-    """(p50, p99) of 4 KiB copy jobs, one in flight."""
+async def job_latency_us(target: str) -> list[float]:
+    """Sorted submit-to-completion times of 4 KiB copy jobs, one in flight."""
     async with (
         host_client.Client(target, timeout=60) as client,
         await client.open_session(transport="verbs", queue_depth=4) as session,
     ):
         src = await session.alloc(4096, readable=True)
         dst = await session.alloc(4096, writable=True)
-        for _ in range(20):  # warm up
-            await session.copy(src, dst)
-        samples = []
-        for _ in range(LAT_JOBS):
-            start = time.perf_counter_ns()
-            await session.copy(src, dst)
-            samples.append((time.perf_counter_ns() - start) / 1000)
-    samples.sort()
-    return statistics.median(samples), samples[int(len(samples) * 0.99) - 1]
+        return await common.job_latencies_us(session, session.copy_request(src, dst), LAT_JOBS)
 
 
 async def job_throughput_mib_s(target: str, size: int) -> float:
@@ -59,28 +62,24 @@ async def job_throughput_mib_s(target: str, size: int) -> float:
         await client.open_session(transport="verbs", queue_depth=IN_FLIGHT) as session,
     ):
         src = await session.alloc(size, readable=True)
-        targets = [await session.alloc(size, writable=True) for _ in range(IN_FLIGHT)]
-        moved = 0
-        start = time.perf_counter()
-
-        async def worker(dst: host_client.Buffer) -> None:
-            nonlocal moved
-            while time.perf_counter() - start < BW_SECONDS:
-                await session.copy(src, dst)
-                moved += size
-
-        await asyncio.gather(*(worker(t) for t in targets))
-        return moved / (time.perf_counter() - start) / MIB
+        requests = [
+            session.copy_request(src, await session.alloc(size, writable=True))
+            for _ in range(IN_FLIGHT)
+        ]
+        await common.run_jobs(session, requests, 0.2)  # warm-up
+        done, elapsed = await common.run_jobs(session, requests, BW_SECONDS)
+        return done * size / elapsed / MIB
 
 
-def measure() -> list[Result]:
+def measure() -> tuple[list[Result], list[Table]]:
     """Interleave each reference with ours on the same port."""
-    port = find_port(os.environ.get("DPU_TEST_RDMA_DEVICE"))
+    port = common.find_port()
     env = {"DPU_AGENT_TRANSPORTS": "verbs", "DPU_AGENT_RDMA_DEVICE": port[0]}
     results = []
     with agent_process(env) as target:
-        typical, p99 = perftest_lat(port)
-        p50_ours, p99_ours = asyncio.run(job_latency_us(target))
+        typical, p99 = perftest.write_lat(port)
+        samples = asyncio.run(job_latency_us(target))
+        p50_ours, p99_ours = quantile(samples, 0.5), quantile(samples, 0.99)
         print(f"4 KiB copy job: p50 {p50_ours:.0f} us, p99 {p99_ours:.0f} us")
         results += [
             Result("4 KiB copy job p50", p50_ours, typical, "us", "ib_write_lat typ", False),
@@ -88,10 +87,31 @@ def measure() -> list[Result]:
                 "4 KiB copy job p99", p99_ours, p99, "us", "ib_write_lat p99", False, tolerance=TAIL
             ),
         ]
+        floor = common.run_module("bench.pyverbs_floor", "--jobs", str(FLOOR_JOBS))
+        print(f"pyverbs floor: p50 {floor['p50_us']:.0f} us, p99 {floor['p99_us']:.0f} us")
+        results += [
+            Result(
+                "4 KiB copy job p50, vs the pyverbs floor",
+                p50_ours,
+                floor["p50_us"],
+                "us",
+                "the job on pyverbs alone (bench.pyverbs_floor) p50",
+                False,
+            ),
+            Result(
+                "pyverbs floor copy job p50",
+                floor["p50_us"],
+                typical,
+                "us",
+                "ib_write_lat typ",
+                False,
+                note="the ceiling for a Python data plane on this device",
+            ),
+        ]
         for size in SIZES:
-            reference = perftest_bw(port, size)
+            reference = perftest.write_bw(port, size, IN_FLIGHT, BW_BYTES)
             ours = asyncio.run(job_throughput_mib_s(target, size))
-            label = f"{size >> 10} KiB"
+            label = common.size_label(size)
             print(f"copy jobs {label} x{IN_FLIGHT}: {ours:.1f} MiB/s written")
             results.append(
                 Result(
@@ -104,7 +124,15 @@ def measure() -> list[Result]:
                     series=f"copy jobs x{IN_FLIGHT}",
                 )
             )
-    return results
+    for mode in ("busy", "event"):
+        with agent_process({**env, "DPU_AGENT_POLL_MODE": mode}) as target:
+            samples = asyncio.run(job_latency_us(target))
+        p50 = quantile(samples, 0.5)
+        print(f"4 KiB copy job, agent polling {mode}: p50 {p50:.0f} us")
+        results.append(
+            Result(f"4 KiB copy job p50 ({mode})", p50, typical, "us", "ib_write_lat typ", False)
+        )
+    return results, common.hops_tables("verbs", HOP_JOBS)
 
 
 def main() -> list[Result]:

@@ -27,11 +27,11 @@ In a service:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import enum
 from typing import Final
 
-from dpu_agent import request_context
 from dpu_agent.errors import NotFound, PermissionDenied, Unauthenticated
 
 DEFAULT_TENANT: Final = "default"
@@ -62,16 +62,21 @@ class Principal:
         return self.admin or owner == self.tenant
 
 
+principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
+    "principal", default=None
+)
+"""Who makes the RPC being served: set by the interceptor, read by `current_principal`."""
+
 LOCAL_ADMIN: Final = Principal(DEFAULT_TENANT, admin=True, via=Via.LOOPBACK)
 """Every caller of a plaintext loopback agent that has no tokens file."""
 
 
 def current_principal() -> Principal:
     """The principal of the RPC being served; Unauthenticated outside an RPC."""
-    principal = request_context.principal.get()
-    if principal is None:
+    found = principal.get()
+    if found is None:
         raise Unauthenticated("the call carries no credentials")
-    return principal
+    return found
 
 
 def tenant() -> str:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from dpu_agent import errors, request_context
+from dpu_agent import auth, errors, request_context
 from dpu_agent.status import status_for
 from dpu_agent.validation import MAX_REQUEST_BYTES, validate_request
 from dpu_wire import API_PACKAGE, REQUEST_ID_METADATA_KEY
@@ -58,7 +58,7 @@ class _Rpc:
         # Each RPC runs in its own task (its own context copy): no reset needed.
         request_context.request_id.set(self.rid)
         request_context.rpc_method.set(method)
-        request_context.principal.set(None)
+        auth.principal.set(None)
         self.tenant = ""
         context.set_trailing_metadata(((REQUEST_ID_METADATA_KEY, self.rid),))
 
@@ -70,7 +70,7 @@ class _Rpc:
             if self.method.startswith(f"/{API_PACKAGE}."):
                 raise
             return  # health checks: answered without credentials
-        request_context.principal.set(principal)
+        auth.principal.set(principal)
         self.tenant = principal.tenant
 
     async def fail(self, exc: Exception) -> NoReturn:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from dpu_agent.dataplane.jobs import JobRecord
 from dpu_agent.errors import InvalidArgument
 from dpu_wire.capsule import ZERO_SPAN, Span
-from dpu_wire.jobkinds import CODECS, FLAG_FUA, KINDS, Handle, JobKind
+from dpu_wire.jobkinds import CODECS, FLAG_FUA, KINDS, Handle
 from dpu_wire.transport.base import Access
 
 if TYPE_CHECKING:
@@ -79,8 +79,10 @@ def admit(  # noqa: PLR0913 - the request and where it came from
     refused, a SubmitJob may wait for a slot).
     """
     ctx.check_accepting()
-    kind = JobKind(request.kind)
-    row = KINDS[kind]
+    row = KINDS.get(request.kind)  # type: ignore[call-overload]  # an int is a JobKind key
+    if row is None:
+        raise InvalidArgument(f"unknown job kind {request.kind}")
+    kind = row.kind
     _check_unused(row, request)
     volume_id = _volume(ctx, row, request)
     _check_spans(ctx.regions, row, request)

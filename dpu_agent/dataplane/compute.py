@@ -20,17 +20,22 @@ from __future__ import annotations
 import abc
 import hashlib
 import os
+import sys
 from typing import Final
 
 import crc32c as crc32c_lib
 import lz4.frame
 import zstandard
-from backports import zstd as zstd_stream
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from dpu_agent.errors import DataLoss, InvalidArgument
 from dpu_wire.jobkinds import CODECS, JobKind
+
+if sys.version_info >= (3, 14):
+    from compression import zstd as zstd_stream
+else:
+    from backports import zstd as zstd_stream
 
 NONCE_BYTES: Final = 12
 TAG_BYTES: Final = 16

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from dpu_agent import status
 from dpu_wire import capsule
@@ -39,6 +39,14 @@ class JobState(enum.IntEnum):
     CANCELLED = 5
 
 
+_FINAL: Final = {
+    State.SUCCEEDED: JobState.SUCCEEDED,
+    State.FAILED: JobState.FAILED,
+    State.CANCELLED: JobState.CANCELLED,
+}
+"""A final capsule state -> its job state (a lookup: the enum call costs more)."""
+
+
 class JobRecord:
     """One job of a session: what was asked, how far it got, how it ended."""
 
@@ -49,6 +57,7 @@ class JobRecord:
         "deadline",
         "destination",
         "digest",
+        "done",
         "end_ns",
         "fua",
         "job_id",
@@ -118,14 +127,10 @@ class JobRecord:
         self.result = 0
         self.digest = b""  # SHA256: the result
         self.cancel_requested = False
+        self.done = False  # whether the job reached a final state (set by `finish` only)
 
     def __repr__(self) -> str:
         return f"JobRecord({self.job_id}, {self.kind.name}, {self.state.name})"
-
-    @property
-    def done(self) -> bool:
-        """Whether the job reached a final state."""
-        return self.state >= JobState.SUCCEEDED
 
     def start(self) -> None:
         """QUEUED → RUNNING."""
@@ -134,9 +139,10 @@ class JobRecord:
 
     def finish(self, state: State, code: int = status.OK, message: str = "") -> bool:
         """Enter a final state once; False if it already was final."""
-        if self.state >= JobState.SUCCEEDED:
+        if self.done:
             return False
-        self.state = JobState(int(state))
+        self.done = True
+        self.state = _FINAL[state]
         self.status = code
         self.message = message
         self.end_ns = time.time_ns()

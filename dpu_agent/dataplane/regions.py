@@ -107,7 +107,7 @@ class RegionTable:
                 f"{what}: [{span.addr:#x}, +{span.length}) is outside region "
                 f"{region.region_id!r} [{region.addr:#x}, +{region.length})"
             )
-        if not region.access & need:
+        if not region.access.value & need.value:
             raise PermissionDenied(
                 f"{what}: region {region.region_id!r} does not grant {need.name}"
             )

@@ -49,6 +49,7 @@ imported optionally, so this module imports (and type-checks) where it is absent
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import ctypes
@@ -60,6 +61,7 @@ import os
 import pathlib
 import secrets
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_wire.capsule import MAX_CAPSULE
@@ -293,6 +295,21 @@ class _Config:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
+_LIVE: Final[weakref.WeakSet[_QueuePair]] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    """Close the queue pairs a program left open before the interpreter tears down.
+
+    Otherwise pyverbs frees their objects in whatever order module teardown reaches
+    them: a channel or context before the CQ bound to it, which crashes the process.
+    """
+    for qp in list(_LIVE):
+        with contextlib.suppress(Exception):
+            qp.close()
+
+
 class _QueuePair:
     """What both sides share: resources, rings, posting and taking completions.
 
@@ -327,8 +344,10 @@ class _QueuePair:
         self._free_slots = list(range(config.queue_depth))
         self.error: TransportError | None = None
         self._unreported: list[int] = []  # tokens of a failed link not yet reported
+        self._recv_flushed = False  # a RECV failed: the QP is in error (see `_received`)
         self.connected = False
         self._closed = False
+        _LIVE.add(self)
         try:
             self._ctx = Context(name=device)
             self._open(device)
@@ -561,16 +580,21 @@ class _QueuePair:
         """Take send completions, then up to `budget` capsules; return how many."""
         if self._unreported:
             self._report_failed(sink)
-        taken = self.poll_sends(sink) if self._sq else 0
+        taken = self.poll_sends(sink, budget) if self._sq else 0
         if self._closed:  # a callback closed the link: its CQs are gone
             return taken
         return taken + self._poll_recv(sink, budget)
 
-    def poll_sends(self, sink: LinkSink | None) -> int:
-        """Take send-queue completions only (None: report no tokens)."""
+    def poll_sends(self, sink: LinkSink | None, budget: int = RECV_BATCH) -> int:
+        """Take up to `budget` send-queue completions (sink None: report no tokens).
+
+        Bounded: a token's callback usually posts the job's next operation, which on a
+        fast device has completed by the next poll; unbounded, one busy job would keep
+        the caller here for its whole run (and its reactor's other work waiting).
+        """
         cq, attr, sq = self._send_cq, self._poll_attr, self._sq
         taken = 0
-        while sq and not self._closed:
+        while sq and taken < budget and not self._closed:
             if cq.start_poll(attr) != 0:  # ENOENT: nothing (or an error code)
                 return taken
             wr_id, status = cq.wr_id, cq.status
@@ -633,14 +657,24 @@ class _QueuePair:
     def _received(self, sink: LinkSink, slot: int, status: int, length: int) -> bool:
         """Hand a received capsule over and repost its RECV; False once the link failed."""
         if status != ev.IBV_WC_SUCCESS:
-            self.fail(
-                TransportError(
-                    "the queue pair is in the error state (a RECV completed with "
-                    f"{_wc_status_name(status)}): an operation failed on this side, "
-                    "or the peer made an access this side refused"
-                ),
-                sink,
-            )
+            # A flushed RECV is a consequence: when the QP went to error because a send-queue
+            # operation failed (RETRY_EXC_ERR, REM_ACCESS_ERR), that completion carries the
+            # cause, and the device completes every outstanding send WR once in error. Report
+            # it from there when one is outstanding; the RECVs' flushes say nothing more.
+            self._recv_flushed = True
+            if self._sq and status == ev.IBV_WC_WR_FLUSH_ERR:
+                self.poll_sends(sink)
+            if not self._sq:
+                self.fail(
+                    TransportError(
+                        "the queue pair is in the error state (a RECV completed with "
+                        f"{_wc_status_name(status)}): an operation failed on this side, "
+                        "or the peer made an access this side refused"
+                    ),
+                    sink,
+                )
+            return False
+        if self._recv_flushed:
             return False
         start = slot * MAX_CAPSULE
         try:

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import NameOID
 
-from dpu_agent import auth, identity, request_context
+from dpu_agent import auth, identity
 from dpu_agent.errors import NotFound, PermissionDenied, ResourceExhausted, Unauthenticated
 from dpu_agent.quota import Quotas
 from host_client import _certs
@@ -20,7 +20,7 @@ def as_principal(principal, fn, *args):
     """Run fn with `principal` as the RPC's caller, in a fresh context."""
 
     def run():
-        request_context.principal.set(principal)
+        auth.principal.set(principal)
         return fn(*args)
 
     return contextvars.copy_context().run(run)

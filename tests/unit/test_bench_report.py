@@ -281,3 +281,47 @@ def test_a_run_under_load_is_marked_not_comparable(tmp_path: Path, capsys):
     assert "note: NEW ran overloaded, busy: 5-min load 8.0 on 2 CPUs" in out
     assert "note: OLD ran overloaded, in_vm: host 5-min load 5.5 on 2 CPUs" in out
     assert "quiet" not in out.split("of 3 figures")[1]
+
+
+def test_tables_notes_python_speed_and_smoke_runs_reach_the_report(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "QUICK", True)
+    monkeypatch.delenv("DPU_TESTVM", raising=False)
+    results = [Result("jobs", 10, 40, "MiB/s", "the lower limit", note="library 40, wire 90")]
+    hops = common.Table("Hops of a job", ["side", "hop", "p50 us"], [["host", "submit", 12.5]])
+    path = common.write_results("gamma", results, [hops])
+    doc = json.loads(path.read_text())
+    assert doc["quick"] is True
+    assert doc["machine"]["python_loop_s"] > 0
+    assert doc["tables"] == [
+        {
+            "title": "Hops of a job",
+            "columns": ["side", "hop", "p50 us"],
+            "rows": [["host", "submit", 12.5]],
+        }
+    ]
+    plain = bench_doc("delta", [row("x", 1, 2)])
+    write(tmp_path / "delta.json", plain)
+    md = tmp_path / "REPORT.md"
+    report.generate(tmp_path, md, checkout=tmp_path)
+    text = md.read_text()
+    assert "| jobs | 10.0 | 40.0 | 0.25x | MiB/s |  | vs the lower limit; higher is better;" in text
+    assert "noise x1.5; library 40, wire 90 |" in text
+    assert (
+        "Hops of a job\n\n| side | hop | p50 us |\n|---|---|---|\n| host | submit | 12.5 |" in text
+    )
+    assert "10^7-step Python loop" in text
+    assert "- **smoke run** (DPU_BENCH_QUICK=1, short, not official): gamma\n" in text
+    assert text.count("**Smoke run**") == 1  # gamma's section only, not delta's
+    figures = report.load_figures(tmp_path / "report.json")
+    assert [(f.bench, f.note) for f in figures] == [
+        ("delta", None),
+        ("gamma", "library 40, wire 90"),
+    ]
+
+
+def test_quick_picks_the_short_value_only_in_a_smoke_run(monkeypatch):
+    monkeypatch.setattr(common, "QUICK", False)
+    assert common.quick(2000, 200) == 2000
+    monkeypatch.setattr(common, "QUICK", True)
+    assert common.quick(2000, 200) == 200

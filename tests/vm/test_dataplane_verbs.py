@@ -6,7 +6,14 @@ import pytest
 
 import host_client
 from tests.integration.conftest import start_agent
-from tests.scenarios import agent_death, bad_capsules, mixed_jobs, volume_faults, volume_io
+from tests.scenarios import (
+    agent_death,
+    bad_capsules,
+    busy_neighbour,
+    mixed_jobs,
+    volume_faults,
+    volume_io,
+)
 
 pytestmark = [pytest.mark.rdma, pytest.mark.asyncio]
 
@@ -47,6 +54,12 @@ async def test_bad_capsules_over_rxe(verbs_agent):
 async def test_agent_killed_mid_jobs_fails_them_and_a_new_session_works(rdma_port, tmp_path):
     await agent_death.pending_jobs_fail_and_a_new_session_works(
         tmp_path, "verbs", _verbs_env(rdma_port)
+    )
+
+
+async def test_a_streaming_session_does_not_stall_the_others_over_rxe(rdma_port, tmp_path):
+    await busy_neighbour.others_progress_while_a_session_streams(
+        tmp_path, "verbs", _verbs_env(rdma_port), rdma_port.device
     )
 
 

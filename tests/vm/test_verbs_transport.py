@@ -11,6 +11,8 @@ retry budget is spent.
 import asyncio
 import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -315,3 +317,39 @@ async def test_64_concurrent_reads_and_writes_move_every_byte(pair):
 
     await bounded(asyncio.gather(*(move(o, s) for o, s in zip(offsets, sizes, strict=True))))
     assert_same_bytes(dst.view, data)
+
+
+LEFT_OPEN = """
+import asyncio, sys
+from dpu_wire.transport.base import Access
+from dpu_wire.transport.verbs import VerbsAgentLink, VerbsHostLink
+
+async def main():
+    host = VerbsHostLink(device=sys.argv[1], queue_depth=4)
+    agent = VerbsAgentLink(device=sys.argv[1], queue_depth=4)
+    agent.connect(host.address)
+    await host.connect(agent.address)
+    host.start(lambda capsule: None, lambda error: None, lambda: False)
+    host.register(4096, Access.REMOTE_READ)
+    agent.staging(4096)
+    host.send([b"left open"])
+    await asyncio.sleep(0.2)
+    print("exiting with the links open", flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def test_links_left_open_are_closed_cleanly_at_exit(rdma_port):
+    """A program that forgets to close its links still exits cleanly (no pyverbs teardown crash)."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", LEFT_OPEN, rdma_port.device],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.stdout.strip() == "exiting with the links open", done.stderr
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
