@@ -6,7 +6,10 @@ output as it comes. A transform never holds more than one chunk of output at a t
 however much the input expands: `feed` returns at most `step` bytes and `more()` says
 whether the same input has more to give (a decompression bomb is drained a chunk at a
 time and stopped at the destination's size), and the decoders' windows are bounded
-(`ZSTD_WINDOW_LOG_MAX`). Every failure is a domain error.
+(`ZSTD_WINDOW_LOG_MAX`). An encoder's output for one chunk is bounded by the chunk (plus a
+frame's few bytes of overhead), so encoders return it whole, without a copy to re-slice
+it; the input is read in place (a view of the staging buffer, not a copy). Every failure
+is a domain error.
 
 Formats: COMPRESS writes one LZ4 frame or one Zstandard frame (level 3); DECOMPRESS
 reads one; ENCRYPT writes nonce (12 random bytes) ‖ AES-GCM ciphertext ‖ tag (16),
@@ -61,7 +64,12 @@ class Transform(abc.ABC):
 
     @abc.abstractmethod
     def feed(self, data: bytes | memoryview, step: int) -> bytes:
-        """Take `data` (b"" to drain) and return at most `step` bytes of output."""
+        """Take `data` (b"" to drain) and return its output.
+
+        A decoder returns at most `step` bytes, an encoder what the chunk gives (at most
+        its size plus a frame's overhead). `data` is only read during the call (it may be
+        a view of a reused buffer).
+        """
 
     def more(self) -> bool:
         """Whether the input given so far has output left (call `feed(b"", step)`)."""
@@ -77,35 +85,31 @@ class _Compress(Transform):
 
     def __init__(self, codec: str, total: int) -> None:
         self._codec = codec
-        self._pending = b""
+        self._head = b""  # the LZ4 frame header, given with the first output
         self._finished = False
         if codec == "lz4":
             self._lz4 = lz4.frame.LZ4FrameCompressor()
-            self._pending = self._lz4.begin(source_size=total)
+            self._head = self._lz4.begin(source_size=total)
         else:
             self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=total)
 
-    def _take(self, out: bytes, step: int) -> bytes:
-        data = self._pending + out
-        self._pending = data[step:]
-        return data[:step]
+    def _with_head(self, out: bytes) -> bytes:
+        if self._head:
+            out, self._head = self._head + out, b""
+        return out
 
-    def feed(self, data: bytes | memoryview, step: int) -> bytes:
+    def feed(self, data: bytes | memoryview, step: int) -> bytes:  # noqa: ARG002 - see feed
         if not data:
-            return self._take(b"", step)
+            return b""
         if self._codec == "lz4":
-            return self._take(self._lz4.compress(bytes(data)), step)
-        return self._take(self._zstd.compress(data), step)
+            return self._with_head(self._lz4.compress(data))
+        return bytes(self._zstd.compress(data))
 
-    def more(self) -> bool:
-        return bool(self._pending)
-
-    def finish(self, step: int) -> bytes:
-        if not self._finished:
-            self._finished = True
-            tail = self._lz4.flush() if self._codec == "lz4" else self._zstd.flush()
-            return self._take(tail, step)
-        return self._take(b"", step)
+    def finish(self, step: int) -> bytes:  # noqa: ARG002 - the tail is a few bytes
+        if self._finished:
+            return b""
+        self._finished = True
+        return self._with_head(self._lz4.flush() if self._codec == "lz4" else self._zstd.flush())
 
 
 class _Decompress(Transform):
@@ -121,8 +125,11 @@ class _Decompress(Transform):
             )
 
     def feed(self, data: bytes | memoryview, step: int) -> bytes:
+        # The LZ4 decompressor keeps a slice of input it did not consume: give it a copy.
+        # The Zstandard one copies what it keeps.
+        chunk = bytes(data) if self._codec == "lz4" else data
         try:
-            return bytes(self._dec.decompress(bytes(data), max_length=step))
+            return bytes(self._dec.decompress(chunk, max_length=step))
         except (RuntimeError, zstd_stream.ZstdError) as exc:
             raise InvalidArgument(f"the input is not a valid {self._codec} frame ({exc})") from None
 
@@ -137,28 +144,23 @@ class _Decompress(Transform):
 
 class _Encrypt(Transform):
     def __init__(self, key: bytes) -> None:
-        nonce = os.urandom(NONCE_BYTES)
-        self._enc = Cipher(algorithms.AES(check_key(key)), modes.GCM(nonce)).encryptor()
-        self._pending = nonce
+        self._nonce = os.urandom(NONCE_BYTES)  # given with the first output
+        self._enc = Cipher(algorithms.AES(check_key(key)), modes.GCM(self._nonce)).encryptor()
         self._finished = False
 
-    def _take(self, out: bytes, step: int) -> bytes:
-        data = self._pending + out
-        self._pending = data[step:]
-        return data[:step]
+    def _with_nonce(self, out: bytes) -> bytes:
+        if self._nonce:
+            out, self._nonce = self._nonce + out, b""
+        return out
 
-    def feed(self, data: bytes | memoryview, step: int) -> bytes:
-        return self._take(self._enc.update(data) if data else b"", step)
+    def feed(self, data: bytes | memoryview, step: int) -> bytes:  # noqa: ARG002 - see feed
+        return self._with_nonce(self._enc.update(data))
 
-    def more(self) -> bool:
-        return bool(self._pending)
-
-    def finish(self, step: int) -> bytes:
-        if not self._finished:
-            self._finished = True
-            tail = self._enc.finalize() + self._enc.tag
-            return self._take(tail, step)
-        return self._take(b"", step)
+    def finish(self, step: int) -> bytes:  # noqa: ARG002 - the tail is 16 bytes
+        if self._finished:
+            return b""
+        self._finished = True
+        return self._with_nonce(self._enc.finalize() + self._enc.tag)
 
 
 class _Decrypt(Transform):
@@ -173,9 +175,8 @@ class _Decrypt(Transform):
         self._head = b""  # the nonce, while it is incomplete
         self._tag = b""
         self._dec: object | None = None
-        self._pending = b""
 
-    def feed(self, data: bytes | memoryview, step: int) -> bytes:
+    def feed(self, data: bytes | memoryview, step: int) -> bytes:  # noqa: ARG002 - see feed
         out = b""
         if data:
             view = memoryview(data)
@@ -193,23 +194,16 @@ class _Decrypt(Transform):
             self._tag += bytes(view[len(body) :])
             if body and self._dec is not None:
                 out = self._dec.update(body)  # type: ignore[attr-defined]
-        data_out = self._pending + out
-        self._pending = data_out[step:]
-        return data_out[:step]
-
-    def more(self) -> bool:
-        return bool(self._pending)
-
-    def finish(self, step: int) -> bytes:
-        if self._dec is not None:
-            dec, self._dec = self._dec, None
-            try:
-                tail = dec.finalize_with_tag(self._tag)  # type: ignore[attr-defined]
-            except (InvalidTag, ValueError):
-                raise DataLoss("AES-GCM authentication failed: wrong key or altered data") from None
-            self._pending += tail
-        out, self._pending = self._pending[:step], self._pending[step:]
         return out
+
+    def finish(self, step: int) -> bytes:  # noqa: ARG002 - GCM holds nothing back
+        if self._dec is None:
+            return b""
+        dec, self._dec = self._dec, None
+        try:
+            return bytes(dec.finalize_with_tag(self._tag))  # type: ignore[attr-defined]
+        except (InvalidTag, ValueError):
+            raise DataLoss("AES-GCM authentication failed: wrong key or altered data") from None
 
 
 def transform(kind: JobKind, parameter: int, key: bytes, total: int) -> Transform:

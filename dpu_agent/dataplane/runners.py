@@ -176,40 +176,38 @@ def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> 
     held = 0  # output bytes in outbuf, not yet written
     written = 0
 
-    def room(data: bytes) -> None:
-        nonlocal held
+    def put(data: bytes) -> Runner:
+        """Copy `data` into outbuf, WRITING each time it fills."""
+        nonlocal held, written
         if written + held + len(data) > dst.length:
             raise InvalidArgument(
                 f"{job.row.field}: the output does not fit the destination ({dst.length} bytes)"
             )
-        outbuf.view[held : held + len(data)] = data
-        held += len(data)
-
-    def drain(*, final: bool) -> Runner:
-        nonlocal held, written
-        if held and (final or held == step):
-            yield Write(outbuf, 0, held, dst.addr + written, dst.rkey, final)
-            written += held
-            job.bytes_written = written
-            held = 0
+        view = memoryview(data)
+        while view:
+            take = min(step - held, len(view))
+            outbuf.view[held : held + take] = view[:take]
+            held += take
+            view = view[take:]
+            if held == step:
+                yield Write(outbuf, 0, held, dst.addr + written, dst.rkey, False)
+                written += held
+                job.bytes_written = written
+                held = 0
 
     for offset, size in _chunks(src.length, inbuf.size):
         yield Read(inbuf, 0, size, src.addr + offset, src.rkey)
         job.bytes_read += size
-        data: bytes = yield Work(_bind(kernel.feed, bytes(inbuf.view[:size]), step - held))
-        room(data)
-        while True:
-            yield from drain(final=False)
-            if not kernel.more():
-                break
-            room((yield Work(_bind(kernel.feed, b"", step - held))))
-    while True:
-        tail: bytes = yield Work(_bind(kernel.finish, step - held))
-        if not tail:
-            break
-        room(tail)
-        yield from drain(final=False)
-    yield from drain(final=True)
+        # The kernel reads inbuf in place: the next READ waits for this Work to end.
+        yield from put((yield Work(_bind(kernel.feed, inbuf.view[:size], step))))
+        while kernel.more():
+            yield from put((yield Work(_bind(kernel.feed, b"", step))))
+    while tail := (yield Work(_bind(kernel.finish, step))):
+        yield from put(tail)
+    if held:
+        yield Write(outbuf, 0, held, dst.addr + written, dst.rkey, True)
+        written += held
+        job.bytes_written = written
     job.result = written
 
 

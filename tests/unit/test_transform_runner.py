@@ -1,0 +1,115 @@
+"""The transform runner over small staging buffers: every chunk boundary, outputs that
+cross buffers, destinations that are too small and decompression bombs.
+
+The runner is driven here as the pipeline drives it (READs filled from a host buffer,
+Work called at once, WRITEs collected); the transport and the agent are tested end to
+end in tests/integration/test_compute_jobs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import lz4.frame
+import pytest
+import zstandard
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from dpu_agent.dataplane import runners
+from dpu_agent.errors import DataLoss, InvalidArgument
+from dpu_wire.jobkinds import JobKind
+
+STEP = 4096
+KEY = bytes(range(32))
+DATA = (os.urandom(20_000) + b"compressible text " * 3000)[:50_001]
+
+
+class _Region:
+    def __init__(self, size: int) -> None:
+        self.view = memoryview(bytearray(size))
+
+
+def _buffer(size: int) -> types.SimpleNamespace:
+    region = _Region(size)
+    return types.SimpleNamespace(region=region, offset=0, size=size, view=region.view)
+
+
+def run(kind: JobKind, source: bytes, dst_len: int, parameter: int = 0) -> tuple[bytes, int]:
+    """(the bytes WRITTEN to the destination in order, the largest output one Work gave)."""
+    job = types.SimpleNamespace(
+        kind=kind,
+        parameter=parameter,
+        key=KEY,
+        source=types.SimpleNamespace(length=len(source), addr=0, rkey=1),
+        destination=types.SimpleNamespace(length=dst_len, addr=0, rkey=2),
+        row=types.SimpleNamespace(field="destination"),
+        bytes_read=0,
+        bytes_written=0,
+        result=None,
+    )
+    inbuf, outbuf = _buffer(STEP), _buffer(STEP)
+    dest = bytearray(dst_len)
+    gen = runners.transform(job, [inbuf, outbuf], None)  # type: ignore[arg-type]
+    value = None
+    largest = 0
+    last_seen = False
+    while True:
+        try:
+            op = gen.send(value)
+        except StopIteration:
+            break
+        value = None
+        if isinstance(op, runners.Read):
+            inbuf.view[: op.length] = source[op.addr : op.addr + op.length]
+        elif isinstance(op, runners.Write):
+            assert not last_seen, "a WRITE after the final one"
+            last_seen = op.last
+            dest[op.addr : op.addr + op.length] = op.buffer.view[op.offset : op.offset + op.length]
+        elif isinstance(op, runners.Work):
+            value = op.fn()
+            largest = max(largest, len(value))
+    assert job.result == job.bytes_written
+    return bytes(dest[: job.result]), largest
+
+
+@pytest.mark.parametrize("size", [0, 1, STEP - 1, STEP, STEP + 1, 3 * STEP, len(DATA)])
+@pytest.mark.parametrize("codec", [1, 2])
+def test_compress_and_decompress_round_trip_at_every_boundary(size, codec):
+    data = DATA[:size]
+    packed, _ = run(JobKind.COMPRESS, data, 2 * len(data) + 1024, codec)
+    library = lz4.frame.decompress if codec == 1 else zstandard.ZstdDecompressor().decompress
+    assert library(packed) == data
+    unpacked, largest = run(JobKind.DECOMPRESS, packed, max(size, 1), codec)
+    assert unpacked == data
+    assert largest <= STEP  # a decoder gives at most one buffer per call
+
+
+@pytest.mark.parametrize("size", [0, 1, STEP - 28, STEP - 12, STEP, STEP + 1, len(DATA)])
+def test_encrypt_and_decrypt_round_trip_at_every_boundary(size):
+    data = DATA[:size]
+    sealed, _ = run(JobKind.ENCRYPT, data, size + 28)
+    assert len(sealed) == size + 28
+    assert AESGCM(KEY).decrypt(sealed[:12], sealed[12:], None) == data
+    opened, _ = run(JobKind.DECRYPT, sealed, max(size, 1))
+    assert opened == data
+
+
+def test_a_tampered_ciphertext_is_data_loss():
+    sealed = bytearray(run(JobKind.ENCRYPT, DATA, len(DATA) + 28)[0])
+    sealed[STEP + 5] ^= 1
+    with pytest.raises(DataLoss, match="authentication failed"):
+        run(JobKind.DECRYPT, bytes(sealed), len(DATA))
+
+
+@pytest.mark.parametrize("kind", [JobKind.ENCRYPT, JobKind.COMPRESS])
+def test_output_past_the_destination_fails_the_job(kind):
+    with pytest.raises(InvalidArgument, match="does not fit the destination"):
+        run(kind, os.urandom(3 * STEP), 2 * STEP, 2 if kind == JobKind.COMPRESS else 0)
+
+
+def test_a_decompression_bomb_stops_at_the_destination_a_buffer_at_a_time():
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(64 << 20))  # 64 MiB of zeros
+    assert len(bomb) < 8 << 10
+    with pytest.raises(InvalidArgument, match="does not fit the destination"):
+        run(JobKind.DECOMPRESS, bomb, 10 * STEP, 2)
