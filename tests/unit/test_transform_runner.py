@@ -50,7 +50,7 @@ def run(kind: JobKind, source: bytes, dst_len: int, parameter: int = 0) -> tuple
     )
     inbuf, outbuf = _buffer(STEP), _buffer(STEP)
     dest = bytearray(dst_len)
-    gen = runners.transform(job, [inbuf, outbuf], None)  # type: ignore[arg-type]
+    gen = runners.transform(job, [inbuf, outbuf], None)  # type: ignore[arg-type,list-item]
     value = None
     largest = 0
     last_seen = False
