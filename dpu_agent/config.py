@@ -18,6 +18,7 @@ Example file (every key optional):
     poll_mode = "adaptive"        # adaptive (poll while busy and poll_spin s after, then
                                   # sleep on the completion channel), busy, event
     poll_spin = 0.002             # adaptive: seconds a queue pair stays polled when idle
+                                  # (up to 10x that for one whose jobs come ms apart)
     queue_depth = 32              # default jobs in flight per session (1-1024)
     max_sessions = 64             # sessions the agent serves at once
     max_sessions_per_connection = 8   # sessions one client connection (gRPC peer) holds
@@ -383,7 +384,8 @@ SETTINGS: Final = (
         "poll_spin",
         "DPU_AGENT_POLL_SPIN",
         _seconds(0, 1),
-        "adaptive polling: seconds an idle queue pair stays polled",
+        "adaptive polling: seconds an idle queue pair stays polled (grows to 10x for one "
+        "woken after a short sleep)",
     ),
     Setting(
         "dataplane",

@@ -18,8 +18,11 @@ and runs a loop:
 
 Adaptive polling, then: a verbs link is polled continuously while work is in flight and
 for `spin` seconds after, and sleeps on its completion channel otherwise (`spin` 0 is
-pure event mode, a negative `spin` never sleeps). A tcp link is driven by its socket's
-readiness.
+pure event mode, a negative `spin` never sleeps). The window follows the link's
+traffic: a link woken after sleeping less than `SPIN_GROWTH` times `spin` stays polled for
+twice that sleep next time (so a client whose jobs come a few milliseconds apart, as on
+a slow or loaded machine, is not put to sleep between every two of them), and one that
+slept longer goes back to `spin`. A tcp link is driven by its socket's readiness.
 
 CPU-heavy work (compression, encryption, hashing of large chunks) runs on a small pool
 of worker threads whose libraries release the GIL; blocking storage calls (syncs,
@@ -55,6 +58,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 POLL_BUDGET: Final = 64  # completions and capsules taken from one link per pass
 MAX_WAIT: Final = 1.0  # seconds the loop sleeps at most (overdue tcp requests are checked)
+SPIN_GROWTH: Final = 10  # an adaptive link's idle polling window grows to at most this times spin
 _EPOLLIN: Final = select.EPOLLIN
 _EPOLLOUT: Final = select.EPOLLOUT
 
@@ -81,6 +85,7 @@ class _Entry:
     polls: bool  # verbs: completions must be polled
     hot: bool = True  # polled every pass
     last: float = 0.0  # last activity (monotonic)
+    spin: float = 0.0  # this link's idle polling window (adaptive, see the module's text)
     writing: bool = False  # EPOLLOUT registered
     removed: bool = False
 
@@ -311,6 +316,7 @@ class Reactor:
                 if not entry.hot:
                     entry.hot = True
                     self._hot.append(entry)
+                    self._adapt_spin(entry)
 
     def _timeout(self) -> float:
         """How long the next epoll may wait: 0 while a link is hot or work is queued."""
@@ -377,6 +383,15 @@ class Reactor:
         """Whether the entry was removed (its owner may remove it while it is served)."""
         return entry.removed
 
+    def _adapt_spin(self, entry: _Entry) -> None:
+        """A sleeping verbs link woke: poll it longer next time if it slept only briefly."""
+        if not entry.polls or self.spin <= 0:
+            return
+        slept = time.monotonic() - entry.last
+        longest = SPIN_GROWTH * self.spin
+        entry.spin = 2 * slept if slept < longest else self.spin
+        entry.spin = min(max(entry.spin, self.spin), longest)
+
     def _cool_down(self) -> None:
         """Stop polling links with nothing in flight once `spin` has passed (arm them)."""
         now = time.monotonic()
@@ -387,7 +402,9 @@ class Reactor:
                 continue
             if link.error is None:
                 if entry.polls and (
-                    link.outstanding or self.spin < 0 or now - entry.last < self.spin
+                    link.outstanding
+                    or self.spin < 0
+                    or now - entry.last < max(entry.spin, self.spin)
                 ):
                     keep.append(entry)
                     continue
