@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import host_client
 from dpu_agent.dataplane.session import SessionSettings
@@ -40,9 +41,14 @@ class Round:
     totals: dict[str, int]
     seconds: float
     rss_after: int
+    latencies_us: list[int]  # every job's, sorted
+
+    def percentile(self, q: float) -> int:
+        """The q-quantile of the jobs' latencies, in microseconds."""
+        return self.latencies_us[min(len(self.latencies_us) - 1, int(q * len(self.latencies_us)))]
 
 
-async def _process(args: list[str]) -> dict[str, int]:
+async def _process(args: list[str]) -> dict[str, Any]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -54,7 +60,7 @@ async def _process(args: list[str]) -> dict[str, int]:
     )
     out, err = await proc.communicate()
     assert proc.returncode == 0, f"a load process failed:\n{err.decode()[-4000:]}"
-    report: dict[str, int] = json.loads(out.decode().strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     return report
 
 
@@ -79,13 +85,15 @@ async def run_round(
     )
     seconds = time.monotonic() - started
     totals: dict[str, int] = {}
+    latencies: list[int] = []
     for report in reports:
+        latencies += report.pop("latencies_us")
         for key, value in report.items():
             if key != "seconds":
                 totals[key] = totals.get(key, 0) + value
     async with host_client.Client(agent_address) as client:  # every session closed
         assert await session_names(client) == set(), "sessions left over after the round"
-    return Round(totals, seconds, rss_bytes(agent_pid))
+    return Round(totals, seconds, rss_bytes(agent_pid), sorted(latencies))
 
 
 def check(totals: dict[str, int], expected_jobs: int) -> None:
@@ -124,7 +132,9 @@ async def run(
         f"{rss_start / MiB:.1f} MiB at start, {warm.rss_after / MiB:.1f} MiB after the warm-up "
         f"({warm.totals['jobs']} jobs, {warm.seconds:.1f} s), {full.rss_after / MiB:.1f} MiB "
         f"after the full round ({full.totals['jobs']} jobs, {full.seconds:.1f} s): growth "
-        f"{growth / MiB:.1f} MiB\nfull round: {full.totals}"
+        f"{growth / MiB:.1f} MiB\nfull round: {full.totals}\njob latency, submit to checked "
+        f"completion: p50 {full.percentile(0.5)} us, p99 {full.percentile(0.99)} us, max "
+        f"{full.latencies_us[-1]} us"
     )
     assert growth < RSS_GROWTH_LIMIT, (
         f"the agent's RSS grew {growth / MiB:.1f} MiB over the full round (a leak?)"

@@ -75,6 +75,7 @@ class LoadClient:
         self.source: host_client.Buffer
         self.source_bytes = b""
         self.targets: list[host_client.Buffer] = []
+        self.latencies_us: list[int] = []  # per job, submit to checked completion
 
     async def setup(self) -> None:
         """Register the buffers: one source, one target per worker."""
@@ -102,10 +103,13 @@ class LoadClient:
         while self.remaining > 0:
             pick = self.rng.random()
             by_rpc = self.rng.random() < 0.3
+            started = time.perf_counter_ns()
             if pick >= 0.7 and self.remaining >= 2:
                 self.remaining -= 2  # a write and its read
                 self.totals.rpc_jobs += 2 * by_rpc
                 await self.volume_round_trip(worker, target, by_rpc=by_rpc)
+                half = (time.perf_counter_ns() - started) // 2000
+                self.latencies_us += (half, half)
                 continue
             self.remaining -= 1
             self.totals.rpc_jobs += by_rpc
@@ -113,6 +117,7 @@ class LoadClient:
                 await self.copy(target, by_rpc=by_rpc)
             else:
                 await self.crc(by_rpc=by_rpc)
+            self.latencies_us.append((time.perf_counter_ns() - started) // 1000)
 
     async def copy(self, target: host_client.Buffer, *, by_rpc: bool) -> None:
         """Copy a random part of the source into the target; compare the bytes."""
@@ -193,8 +198,8 @@ async def _watch(
 
 async def one_client(
     address: str, transport: str, jobs: int, seed: int, index: int, device: str | None
-) -> Totals:
-    """Run one client's share; return its checked totals."""
+) -> tuple[Totals, list[int]]:
+    """Run one client's share; return its checked totals and its jobs' latencies (us)."""
     volume_id = f"load-{seed}-{index}"
     async with host_client.Client(address, timeout=120) as client:
         size = WORKERS * SLOTS_PER_WORKER * VOLUME_SLOT
@@ -219,11 +224,11 @@ async def one_client(
     totals.lost_on_watch = len(set(load.completed) - set(load.watched))
     totals.duplicate_on_watch = sum(n - 1 for n in load.watched.values() if n > 1)
     totals.unknown_on_watch = len(set(load.watched) - set(load.completed))
-    return totals
+    return totals, load.latencies_us
 
 
-async def main(argv: list[str]) -> Totals:
-    """Run CLIENTS clients concurrently; return the sum of their totals."""
+async def main(argv: list[str]) -> tuple[Totals, list[int]]:
+    """Run CLIENTS clients concurrently; return the sum of their totals, every latency."""
     address, transport, clients, jobs, seed = argv[:5]
     device = argv[5] if len(argv) > 5 else None
     results = await asyncio.gather(
@@ -233,13 +238,17 @@ async def main(argv: list[str]) -> Totals:
         )
     )
     total = Totals()
-    for result in results:
+    latencies: list[int] = []
+    for result, latency in results:
         total.add(result)
-    return total
+        latencies += latency
+    return total, latencies
 
 
 if __name__ == "__main__":
     started = time.monotonic()
-    report = dataclasses.asdict(asyncio.run(main(sys.argv[1:])))
+    totals, latencies_us = asyncio.run(main(sys.argv[1:]))
+    report: dict[str, object] = dataclasses.asdict(totals)
     report["seconds"] = round(time.monotonic() - started, 2)
+    report["latencies_us"] = latencies_us
     print(json.dumps(report), flush=True)  # noqa: T201 - the test reads this line
