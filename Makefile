@@ -55,7 +55,7 @@ vm-fetch: venv  ## download and cache the test VM's kernel and initramfs
 
 test-vm: venv  ## the RDMA suite inside the soft-RoCE test VM; fails if it skipped or ran nothing
 	@mkdir -p $(dir $(VM_JUNIT)) && rm -f $(VM_JUNIT)
-	$(TESTVM) run -- $(PY) -m pytest tests/vm -p no:cacheprovider -p no:hypothesispytest -v \
+	$(TESTVM) run --timeout 2700 -- $(PY) -m pytest tests/vm -p no:cacheprovider -p no:hypothesispytest -v --durations=20 \
 	    --junitxml=$(VM_JUNIT)
 	/usr/bin/python3 deploy/testvm/check_junit.py $(VM_JUNIT) --min-tests 1
 
