@@ -1,7 +1,9 @@
 """Compute jobs on host buffers through the agent (tcp), on both submission paths."""
 
+import asyncio
 import hashlib
 import os
+from pathlib import Path
 
 import lz4.frame
 import pytest
@@ -102,3 +104,43 @@ async def test_bad_key_sizes_are_refused_without_the_key_in_the_error(session):
     with pytest.raises(host_client.InvalidArgumentError, match="16, 24 or 32 bytes") as info:
         await session.register_key(key)
     assert "\\x07" not in str(info.value)
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/{pid}/status has no {field}")
+
+
+def _reset_peak_rss(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+async def test_decompression_bombs_hold_bounded_agent_memory(agent, session):
+    """Issue 14, item 2: four 8 KiB frames of 64 MiB each, at once, into 64 MiB
+    destinations; the agent streams them a chunk at a time (its peak RSS grows by a few
+    chunks, not by what the frames declare), and a bomb aimed at a small destination
+    fails INVALID_ARGUMENT with what fit written."""
+    size = 64 * MiB
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(size))
+    assert len(bomb) < 8 << 10
+    src = await session.alloc(len(bomb), readable=True)
+    src.view[:] = bomb
+    outs = [await session.alloc(size, writable=True) for _ in range(4)]
+    for out in outs:
+        out.view[:1] = b"\x01"  # a byte the job must overwrite
+    pid = agent.proc.pid
+    _reset_peak_rss(pid)
+    before = _status_kib(pid, "VmRSS")
+    done = await asyncio.gather(
+        *(session.compute("decompress", src, out, parameter="zstd") for out in outs)
+    )
+    peak = _status_kib(pid, "VmHWM")
+    assert [d.bytes_written for d in done] == [size] * 4
+    assert all(out.view[:1] == b"\x00" and out.view[-1:] == b"\x00" for out in outs)
+    grew_mib = (peak - before) / 1024
+    print(f"agent peak RSS growth for four 64 MiB bombs: {grew_mib:.1f} MiB")  # noqa: T201
+    assert grew_mib < 48, f"the agent's peak RSS grew {grew_mib:.0f} MiB for four bombs"
+    with pytest.raises(host_client.InvalidArgumentError, match="does not fit the destination"):
+        await session.compute("decompress", src, outs[0][0:MiB], parameter="zstd")
