@@ -12,7 +12,7 @@ import abc
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
     from dpu_agent.network.model import FlowRule, InstalledRule, PortInfo, RuleCounters
 
@@ -31,6 +31,28 @@ class FlowBackend(abc.ABC):
     @abc.abstractmethod
     def remove(self, rule: FlowRule) -> None:
         """Remove a rule (no error if it is already gone)."""
+
+    def apply(self, remove: Sequence[FlowRule], install: Sequence[FlowRule]) -> None:
+        """Remove, then install, rules as one unit: all of it or nothing.
+
+        This default does it one rule at a time and undoes what it did when a step
+        fails; a datapath that can batch (tc) overrides it.
+        """
+        removed: list[FlowRule] = []
+        installed: list[FlowRule] = []
+        try:
+            for rule in remove:
+                self.remove(rule)
+                removed.append(rule)
+            for rule in install:
+                self.install(rule)
+                installed.append(rule)
+        except BaseException:
+            for rule in reversed(installed):
+                self.remove(rule)
+            for rule in reversed(removed):
+                self.install(rule)
+            raise
 
     @abc.abstractmethod
     def counters(self, rule: FlowRule) -> RuleCounters:

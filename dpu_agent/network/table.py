@@ -8,15 +8,18 @@ re-applied, and filters the agent did not make are reported.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING
 
-from dpu_agent.errors import AlreadyExists, NotFound
+from dpu_agent.errors import AlreadyExists, InvalidArgument, NotFound
 from dpu_agent.network.validate import check_rule
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from dpu_agent.network.backend import FlowBackend
     from dpu_agent.network.model import FlowRule, InstalledRule, PortInfo, RuleCounters
     from dpu_agent.network.rulestore import RuleStore
@@ -32,6 +35,24 @@ class Reconciliation:
     present: tuple[str, ...] = ()
     failed: tuple[tuple[str, str], ...] = ()
     foreign: tuple[InstalledRule, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Changes:
+    """A bulk change: rules to create, rules replacing others of their id, ids to delete."""
+
+    create: tuple[FlowRule, ...] = ()
+    update: tuple[FlowRule, ...] = ()
+    delete: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """What a bulk change did (or, validating only, would do)."""
+
+    created: tuple[FlowRule, ...]
+    updated: tuple[FlowRule, ...]
+    deleted: tuple[FlowRule, ...]
 
 
 class FlowTable:
@@ -109,6 +130,51 @@ class FlowTable:
             self._save()
             return rule
 
+    def apply(self, changes: Changes, *, validate_only: bool = False) -> Applied:
+        """Create, update and delete rules as one unit: all of them or none.
+
+        Every rule is checked, ids must be new (create) or known (update, delete) and
+        appear once, and no two rules of the result share a (port, priority); then
+        the datapath gets the whole change at once and the store is saved once. If
+        anything fails, the datapath, the table and the store stay as they were.
+        """
+        with self._lock:
+            ids = [r.rule_id for r in (*changes.create, *changes.update)] + list(changes.delete)
+            twice = [i for i, n in collections.Counter(ids).items() if n > 1]
+            if twice:
+                raise InvalidArgument(f"flowRules/{twice[0]} is changed more than once")
+            for rule in changes.create:
+                if rule.rule_id in self._rules:
+                    raise AlreadyExists(f"flowRules/{rule.rule_id} already exists")
+            old = [self._get(r.rule_id) for r in changes.update]
+            gone = [self._get(rule_id) for rule_id in changes.delete]
+            ports = {p.name for p in self._backend.ports()}
+            result = dict(self._rules)
+            for rule in (*old, *gone):
+                del result[rule.rule_id]
+            slots = {(r.ingress_port, r.priority): r for r in result.values()}
+            for rule in (*changes.update, *changes.create):
+                check_rule(rule, ports)
+                other = slots.get((rule.ingress_port, rule.priority))
+                if other is not None:
+                    self._check_free(rule, (other,))
+                slots[rule.ingress_port, rule.priority] = rule
+                result[rule.rule_id] = rule
+            applied = Applied(changes.create, changes.update, tuple(gone))
+            if validate_only:
+                return applied
+            remove = [*old, *gone]
+            install = [*changes.update, *changes.create]
+            self._backend.apply(remove, install)
+            before, self._rules = self._rules, result
+            try:
+                self._save()
+            except BaseException:
+                self._rules = before
+                self._backend.apply(install, remove)
+                raise
+            return applied
+
     def delete(self, rule_id: str) -> None:
         """Remove a rule from the datapath and the store."""
         with self._lock:
@@ -140,9 +206,11 @@ class FlowTable:
 
     def _check(self, rule: FlowRule, replacing: FlowRule | None) -> None:
         check_rule(rule, {p.name for p in self._backend.ports()})
-        for other in self._rules.values():
-            if other is replacing:
-                continue
+        self._check_free(rule, (r for r in self._rules.values() if r is not replacing))
+
+    @staticmethod
+    def _check_free(rule: FlowRule, others: Iterable[FlowRule]) -> None:
+        for other in others:
             if (other.ingress_port, other.priority) == (rule.ingress_port, rule.priority):
                 holder = f"flowRules/{other.rule_id}" if other.tenant == rule.tenant else "a rule"
                 raise AlreadyExists(  # another tenant's rule is not named

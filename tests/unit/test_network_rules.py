@@ -32,10 +32,16 @@ def rule(match=ANY, actions=TO_VF1, priority=10, port="pf0vf0", rid="r1"):
         (rule(match=M(dst_port=80)), "L4 port needs ip_protocol"),
         (rule(match=M(dst_port=80, ip_protocol=1, ethertype=0x0800)), "L4 port needs ip_protocol"),
         (rule(match=M(ip_protocol=17)), "ip_protocol needs an IP ethertype"),
-        (rule(match=M(ethertype=0x0806, dst_ip=net("10.0.0.0/8"))), "needs an IPv4 or IPv6"),
-        (rule(match=M(ethertype=0x86DD, dst_ip=net("10.0.0.0/8"))), "do not fit the ethertype"),
+        (
+            rule(match=M(ethertype=0x0806, dst_ip=net("10.0.0.0/8"))),
+            "0x0806 does not carry the IP version",
+        ),
+        (
+            rule(match=M(ethertype=0x86DD, dst_ip=net("10.0.0.0/8"))),
+            "does not carry the IP version",
+        ),
         (rule(match=M(src_ip=net("10.0.0.0/8"), dst_ip=net("::/0"))), "different IP versions"),
-        (rule(match=M(vlan_id=5000)), "vlan_id must be 0..4095"),
+        (rule(match=M(vlan_id=5000)), "vlan_id must be 0..4094"),
         (rule(match=M(src_mac="zz:00:00:00:00:00")), "is not a MAC address"),
         (rule(actions=()), "at least one action"),
         (rule(actions=(model.Forward("pf0vf0"),)), "its own ingress port"),
@@ -43,7 +49,7 @@ def rule(match=ANY, actions=TO_VF1, priority=10, port="pf0vf0", rid="r1"):
         (rule(actions=(model.Forward("p0"), model.Forward("pf0vf1"))), "at most one port"),
         (rule(actions=(model.Forward("p0"), model.Drop())), "both forward and drop"),
         (rule(actions=(model.Drop(), model.Count())), "drop must be the last action"),
-        (rule(actions=(model.Police(0, 1000),)), "rate and a burst above 0"),
+        (rule(actions=(model.Police(0, 1000),)), "police.rate_bps must be 8.."),
         (rule(actions=(model.VlanPush(0),)), "vlan_push.vlan_id must be 1..4094"),
         (
             rule(
