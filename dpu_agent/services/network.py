@@ -20,6 +20,7 @@ from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument, ResourceExhausted
 from dpu_agent.network import model
 from dpu_agent.network.access import check_rule_ports
+from dpu_agent.network.table import Applied, Changes
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_wire import names
@@ -365,6 +366,85 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         await self._owned(rule_id)
         await asyncio.to_thread(self._table.delete, rule_id)
         return network_pb2.DeleteFlowRuleResponse()
+
+    async def ApplyFlowRules(
+        self,
+        request: network_pb2.ApplyFlowRulesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> network_pb2.ApplyFlowRulesResponse:
+        """Create, update and delete the caller's rules as one unit (all or none).
+
+        Each list holds at most 1024 entries and the request 4096 items in all
+        (`dpu_agent.validation`). Updates and deletes name the caller's rules
+        (another tenant's answer NOT_FOUND), every port is checked as for one rule,
+        and the tenant's quota counts the rules after the whole change.
+        """
+        principal = auth.current_principal()
+        tenant = principal.tenant
+        creates = tuple(
+            rule_from(resource_id(r.name, "flowRules", f"creates[{i}].name"), r, tenant)
+            for i, r in enumerate(request.creates)
+        )
+        update_ids = [
+            resource_id(r.name, "flowRules", f"updates[{i}].name")
+            for i, r in enumerate(request.updates)
+        ]
+        deletes = tuple(
+            resource_id(n, "flowRules", f"deletes[{i}]") for i, n in enumerate(request.deletes)
+        )
+        olds = await asyncio.to_thread(self._owned_rules, [*update_ids, *deletes])
+        updates = []
+        for i, (rule_id, incoming) in enumerate(zip(update_ids, request.updates, strict=True)):
+            old = olds[i]
+            new = rule_from(rule_id, incoming, old.tenant)
+            if new.ingress_port != old.ingress_port:
+                raise InvalidArgument(
+                    f"updates[{i}]: the ingress port of flowRules/{rule_id} cannot change"
+                    " (delete it and create it)"
+                )
+            updates.append(new)
+        changes = Changes(creates, tuple(updates), deletes)
+        async with self._creating:
+            owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
+            leaving = sum(1 for r in olds[len(update_ids) :] if r.tenant == tenant)
+            if creates:
+                self._quotas.check_flow_rules(tenant, owned + len(creates) - leaving)
+            applied = await asyncio.to_thread(
+                self._apply_bulk, changes, principal, request.validate_only
+            )
+        return network_pb2.ApplyFlowRulesResponse(
+            created=[rule_to(r) for r in applied.created],
+            updated=[rule_to(r) for r in applied.updated],
+            deleted=[f"flowRules/{r.rule_id}" for r in applied.deleted],
+        )
+
+    def _owned_rules(self, rule_ids: list[str]) -> list[model.FlowRule]:
+        """The rules, if the caller may see each (NotFound as for a missing one). In a thread."""
+        rules = []
+        for rule_id in rule_ids:
+            rule = self._table.get(rule_id)
+            auth.check_owner(rule.tenant, f"flowRules/{rule_id}")
+            rules.append(rule)
+        return rules
+
+    def _apply_bulk(self, changes: Changes, principal: Principal, validate_only: bool) -> Applied:  # noqa: FBT001
+        """Check every port the change names, then apply it, ownership held still. In a thread."""
+        if self._owners is None:
+            return self._apply_checked(changes, principal, None, validate_only)
+        with self._owners.port_owners() as owners:
+            return self._apply_checked(changes, principal, owners, validate_only)
+
+    def _apply_checked(
+        self,
+        changes: Changes,
+        principal: Principal,
+        owners: Mapping[str, str] | None,
+        validate_only: bool,  # noqa: FBT001
+    ) -> Applied:
+        managed = {p.name for p in self._table.ports()}
+        for rule in (*changes.create, *changes.update):
+            check_rule_ports(rule, principal, managed, owners)
+        return self._table.apply(changes, validate_only=validate_only)
 
     async def WatchFlowCounters(
         self,

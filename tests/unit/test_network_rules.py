@@ -4,11 +4,11 @@ import ipaddress
 
 import pytest
 
-from dpu_agent.errors import AlreadyExists, InvalidArgument, NotFound
+from dpu_agent.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from dpu_agent.network import model
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore, from_json, to_json
-from dpu_agent.network.table import FlowTable
+from dpu_agent.network.table import Changes, FlowTable
 from dpu_agent.network.validate import check_rule
 
 PORTS = {"p0", "pf0vf0", "pf0vf1"}
@@ -132,3 +132,70 @@ def test_foreign_filters_are_reported(tmp_path):
     table = FlowTable(backend, RuleStore(tmp_path / "rules.json"))
     report = table.start()
     assert [(f.ingress_port, f.priority) for f in report.foreign] == [("pf0vf0", 99)]
+
+
+class FailingBackend(MemoryFlowBackend):
+    """Refuses to install the rule with id `refuse` (a datapath failing half-way)."""
+
+    refuse = "r-25"
+
+    def install(self, rule):
+        if rule.rule_id == self.refuse:
+            raise FailedPrecondition("the kernel refused it")
+        super().install(rule)
+
+
+def test_a_bulk_change_failing_half_way_leaves_datapath_table_and_store_as_before(tmp_path):
+    backend = FailingBackend(sorted(PORTS))
+    store = RuleStore(tmp_path / "rules.json")
+    table = FlowTable(backend, store)
+    table.start()
+    table.create(rule(rid="old", priority=1))
+    table.create(rule(rid="gone", priority=2))
+    before = (set(backend.installed()), table.rules(), store.load())
+    creates = tuple(rule(rid=f"r-{n}", priority=100 + n) for n in range(50))
+    changes = Changes(creates, (rule(rid="old", priority=2),), ("gone",))
+    with pytest.raises(FailedPrecondition):
+        table.apply(changes)
+    assert (set(backend.installed()), table.rules(), store.load()) == before
+    FailingBackend.refuse = ""
+    applied = table.apply(changes)
+    assert [r.rule_id for r in applied.deleted] == ["gone"]
+    assert sorted(r.rule_id for r in table.rules()) == sorted(
+        ["old", *(r.rule_id for r in creates)]
+    )
+    assert table.get("old").priority == 2
+    assert len(store.load()) == 51
+    assert {i.rule_id for i in backend.installed()} == {r.rule_id for r in table.rules()}
+
+
+def test_a_bulk_change_that_cannot_be_saved_is_undone_in_the_datapath(tmp_path):
+    class BrokenStore(RuleStore):
+        def save(self, rules):  # noqa: ARG002 - refuses any
+            raise OSError("disk full")
+
+    backend = MemoryFlowBackend(sorted(PORTS))
+    table = FlowTable(backend, BrokenStore(tmp_path / "rules.json"))
+    table.start()
+    with pytest.raises(OSError, match="disk full"):
+        table.apply(Changes((rule(rid="a"), rule(rid="b", priority=11))))
+    assert backend.installed() == []
+    assert table.rules() == []
+
+
+def test_a_bulk_change_checks_ids_and_priorities_of_the_result(tmp_path):
+    table = FlowTable(MemoryFlowBackend(sorted(PORTS)), RuleStore(tmp_path / "rules.json"))
+    table.start()
+    table.create(rule(rid="a", priority=1))
+    with pytest.raises(AlreadyExists, match="already has priority 1"):
+        table.apply(Changes((rule(rid="b", priority=1),)))
+    with pytest.raises(AlreadyExists, match="already has priority 5"):
+        table.apply(Changes((rule(rid="b", priority=5), rule(rid="c", priority=5))))
+    with pytest.raises(AlreadyExists, match="flowRules/a already exists"):
+        table.apply(Changes((rule(rid="a", priority=9),)))
+    with pytest.raises(NotFound):
+        table.apply(Changes(delete=("zz",)))
+    with pytest.raises(InvalidArgument, match="more than once"):
+        table.apply(Changes((rule(rid="b", priority=7),), delete=("b",)))
+    table.apply(Changes((rule(rid="b", priority=1),), delete=("a",)))  # freed in the same unit
+    assert [r.rule_id for r in table.rules()] == ["b"]
