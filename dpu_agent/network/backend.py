@@ -9,7 +9,10 @@ the kernel refuses (with the kernel's reason), Unavailable when it cannot be rea
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import TYPE_CHECKING
+
+from dpu_agent.errors import NotFound
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -57,6 +60,17 @@ class FlowBackend(abc.ABC):
     @abc.abstractmethod
     def counters(self, rule: FlowRule) -> RuleCounters:
         """What the datapath counted for a rule; NotFound if it is not installed."""
+
+    def counters_many(self, rules: Sequence[FlowRule]) -> dict[str, RuleCounters]:
+        """The counters of many rules by id; rules not installed are left out.
+
+        This default asks for each rule; tc reads each port's filters once.
+        """
+        found = {}
+        for rule in rules:
+            with contextlib.suppress(NotFound):
+                found[rule.rule_id] = self.counters(rule)
+        return found
 
     @abc.abstractmethod
     def installed(self) -> list[InstalledRule]:

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from dpu_agent.network.table import FlowTable
 
 MIN_INTERVAL_MS: Final = 100
-MS_PER_WATCHED_RULE: Final = 10  # a watch of n rules updates at most every 10 n ms
-MAX_WATCHED_RULES: Final = 1000
+MS_PER_WATCHED_RULE: Final = 1  # a watch of n rules updates at most every n ms
+MAX_WATCHED_RULES: Final = 10_000
 MAX_WATCHES_PER_TENANT: Final = 16  # concurrent WatchFlowCounters streams
 _KINDS: Final = {
     model.PortKind.UPLINK: network_pb2.PORT_KIND_UPLINK,
@@ -263,10 +263,6 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         check_rule_ports(rule, principal, {p.name for p in self._table.ports()}, owners)
         return self._table.update(rule) if replace else self._table.create(rule)
 
-    def _counters(self, rule_ids: list[str]) -> list[model.RuleCounters]:
-        """Every rule's counters, in one trip to a worker thread."""
-        return [self._table.counters(rule_id) for rule_id in rule_ids]
-
     async def _owned(self, rule_id: str) -> model.FlowRule:
         """The rule, if the caller may see it; NotFound as for a missing one otherwise."""
         rule = await asyncio.to_thread(self._table.get, rule_id)
@@ -475,11 +471,13 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             while True:
                 visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
                 ids = wanted or visible[:MAX_WATCHED_RULES]
-                counters = await asyncio.to_thread(self._counters, ids)
-                for rule_id, counted in zip(ids, counters, strict=True):
-                    yield network_pb2.FlowCounterUpdate(
-                        name=f"flowRules/{rule_id}", counters=counters_to(counted)
-                    )
+                counters = await asyncio.to_thread(self._table.counters_many, ids)
+                for rule_id in ids:
+                    counted = counters.get(rule_id)
+                    if counted is not None:  # deleted meanwhile
+                        yield network_pb2.FlowCounterUpdate(
+                            name=f"flowRules/{rule_id}", counters=counters_to(counted)
+                        )
                 interval_ms = max(
                     request.interval_ms or 1000, MIN_INTERVAL_MS, MS_PER_WATCHED_RULE * len(ids)
                 )

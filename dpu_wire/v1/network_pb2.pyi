@@ -851,7 +851,7 @@ class WatchFlowCountersRequest(_message.Message):
     NAMES_FIELD_NUMBER: _builtins.int
     INTERVAL_MS_FIELD_NUMBER: _builtins.int
     interval_ms: _builtins.int
-    """0 = 1000; at least 100, and 10 per rule watched"""
+    """0 = 1000; at least 100, and 1 per rule watched (at most 10,000)"""
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Rules to watch; empty for all."""
