@@ -200,8 +200,8 @@ def measure() -> list[Result]:
             "rules/s",
             "tc -batch",
         ),
-        Result(
-            f"install {RULES} flower rules, one call each",
+        Result(  # one call per rule: the name earlier runs used
+            f"install {RULES} flower rules",
             single_rate,
             single_tc,
             "rules/s",

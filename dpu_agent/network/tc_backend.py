@@ -514,12 +514,15 @@ class TcFlowBackend(FlowBackend):
         links: dict[str, int],
     ) -> None:
         """Put the filters of a refused batch back as they were before it."""
-        cookies = {rule_cookie(r.rule_id) for r in (*remove, *install)}
+        placed = {
+            (links.get(r.ingress_port), r.priority, rule_cookie(r.rule_id))
+            for r in (*remove, *install)
+        }
         requests = [
             (nl.RTM_DELTFILTER, nl.NLM_F_REQUEST, delete_request(ifindex, f))
             for ifindex in ports
             for f in self._filters(ifindex)
-            if f.cookie in cookies
+            if (ifindex, f.pref, f.cookie) in placed
         ]
         restore = {(ifindex, f.pref) for ifindex, f in deletes}
         for rule in remove:

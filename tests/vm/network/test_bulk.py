@@ -71,7 +71,8 @@ def test_a_bulk_apply_carries_traffic_and_is_in_the_kernels_dump(backend):
     assert ping("h1", "10.10.0.2") == 3
     assert backend.counters(counted).packets >= 3
     many = backend.counters_many([counted, rules[0], rules[-1]])
-    assert many["fwd-1-2"] == backend.counters(counted)
+    one = backend.counters(counted)
+    assert (many["fwd-1-2"].packets, many["fwd-1-2"].bytes) == (one.packets, one.bytes)
     assert many["drop-0"].packets == 0
     assert many["fwd-2-1"].packets >= 3
     backend.apply([*rules[:-2], counted, rules[-1]], [])
