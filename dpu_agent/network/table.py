@@ -55,6 +55,16 @@ class Applied:
     deleted: tuple[FlowRule, ...]
 
 
+def _check_ids(changes: Changes) -> None:
+    """InvalidArgument if an id is created, updated or deleted twice, or updated and deleted."""
+    created = [r.rule_id for r in changes.create]
+    updated = [r.rule_id for r in changes.update]
+    for ids in (created + updated, updated + list(changes.delete)):
+        twice = [i for i, n in collections.Counter(ids).items() if n > 1]
+        if twice:
+            raise InvalidArgument(f"flowRules/{twice[0]} is changed more than once")
+
+
 class FlowTable:
     """Flow rules by id, backed by a datapath and a rule store. Thread-safe."""
 
@@ -134,17 +144,15 @@ class FlowTable:
         """Create, update and delete rules as one unit: all of them or none.
 
         Every rule is checked, ids must be new (create) or known (update, delete) and
-        appear once, and no two rules of the result share a (port, priority); then
+        appear once (a rule both deleted and created is replaced, e.g. to move it to
+        another port), and no two rules of the result share a (port, priority); then
         the datapath gets the whole change at once and the store is saved once. If
         anything fails, the datapath, the table and the store stay as they were.
         """
         with self._lock:
-            ids = [r.rule_id for r in (*changes.create, *changes.update)] + list(changes.delete)
-            twice = [i for i, n in collections.Counter(ids).items() if n > 1]
-            if twice:
-                raise InvalidArgument(f"flowRules/{twice[0]} is changed more than once")
+            _check_ids(changes)
             for rule in changes.create:
-                if rule.rule_id in self._rules:
+                if rule.rule_id in self._rules and rule.rule_id not in changes.delete:
                     raise AlreadyExists(f"flowRules/{rule.rule_id} already exists")
             old = [self._get(r.rule_id) for r in changes.update]
             gone = [self._get(rule_id) for rule_id in changes.delete]

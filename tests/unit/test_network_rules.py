@@ -196,6 +196,11 @@ def test_a_bulk_change_checks_ids_and_priorities_of_the_result(tmp_path):
     with pytest.raises(NotFound):
         table.apply(Changes(delete=("zz",)))
     with pytest.raises(InvalidArgument, match="more than once"):
-        table.apply(Changes((rule(rid="b", priority=7),), delete=("b",)))
+        table.apply(Changes((rule(rid="b", priority=7), rule(rid="b", priority=8))))
+    with pytest.raises(InvalidArgument, match="more than once"):
+        table.apply(Changes(update=(rule(rid="a", priority=7),), delete=("a",)))
     table.apply(Changes((rule(rid="b", priority=1),), delete=("a",)))  # freed in the same unit
     assert [r.rule_id for r in table.rules()] == ["b"]
+    moved = rule(rid="b", priority=1, port="pf0vf1", actions=(model.Forward("pf0vf0"),))
+    table.apply(Changes((moved,), delete=("b",)))  # deleted and created: moved to a port
+    assert table.rules() == [moved]
