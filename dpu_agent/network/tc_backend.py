@@ -52,6 +52,9 @@ If the kernel refuses any of them, the ports are dumped again and the batch undo
 (the adds that took deleted, the deleted filters added back), so the datapath is as
 before, and the first refusal is raised.
 
+`counters_many()` reads the counters of many rules with one filter dump per port
+(the watch of 10,000 rules is one call), where `counters()` dumps one priority.
+
 Kernel access
 -------------
 

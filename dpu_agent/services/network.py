@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 MIN_INTERVAL_MS: Final = 100
 MS_PER_WATCHED_RULE: Final = 1  # a watch of n rules updates at most every n ms
-MAX_WATCHED_RULES: Final = 10_000
+MAX_WATCHED_NAMES: Final = 1000  # rules named in one watch request
+MAX_WATCHED_RULES: Final = 10_000  # rules a watch of all the caller's rules covers
 MAX_WATCHES_PER_TENANT: Final = 16  # concurrent WatchFlowCounters streams
 _KINDS: Final = {
     model.PortKind.UPLINK: network_pb2.PORT_KIND_UPLINK,
@@ -449,13 +450,15 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     ) -> AsyncIterator[network_pb2.FlowCounterUpdate]:
         """The selected rules' counters (default: the caller's) every interval, until it goes.
 
-        A tenant holds at most `MAX_WATCHES_PER_TENANT` watches; each round reads every
-        counter in one trip to a worker thread, and rounds are at least
+        A watch names at most `MAX_WATCHED_NAMES` rules, or covers the caller's first
+        `MAX_WATCHED_RULES`. A tenant holds at most `MAX_WATCHES_PER_TENANT` watches;
+        each round reads every counter in one read of the datapath (tc: one dump per
+        port) in a worker thread, and rounds are at least
         `MIN_INTERVAL_MS` and `MS_PER_WATCHED_RULE` per rule apart, so watches cost the
         event loop a bounded number of updates a second.
         """
-        if len(request.names) > MAX_WATCHED_RULES:
-            raise InvalidArgument(f"names: at most {MAX_WATCHED_RULES} rules per watch")
+        if len(request.names) > MAX_WATCHED_NAMES:
+            raise InvalidArgument(f"names: at most {MAX_WATCHED_NAMES} rules per watch")
         principal = auth.current_principal()
         wanted = [resource_id(n, "flowRules", f"names[{i}]") for i, n in enumerate(request.names)]
         for rule_id in wanted:

@@ -851,10 +851,10 @@ class WatchFlowCountersRequest(_message.Message):
     NAMES_FIELD_NUMBER: _builtins.int
     INTERVAL_MS_FIELD_NUMBER: _builtins.int
     interval_ms: _builtins.int
-    """0 = 1000; at least 100, and 1 per rule watched (at most 10,000)"""
+    """0 = 1000; at least 100, and 1 per rule watched"""
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Rules to watch; empty for all."""
+        """Rules to watch (at most 1000); empty for all the caller's (the first 10,000)."""
 
     def __init__(
         self,

@@ -261,6 +261,12 @@ async def test_dpuctl_flow_apply_shows_the_diff_and_applies_it(memory_agent, tmp
     listed = dpuctl("list").stdout
     assert "flowRules/old" not in listed
     assert "prio 7" in listed
+    rules.write_text(RULE_SET.replace("ingress_port: pf0vf1", "ingress_port: pf0vf2"))
+    moved = dpuctl("apply", str(rules))
+    assert moved.returncode == 0, moved.stderr
+    assert "+ flowRules/back" in moved.stdout
+    assert "- flowRules/back" in moved.stdout
+    assert "ports/pf0vf2" in dpuctl("list").stdout
     rules.write_text(
         '{"rules": [{"name": "x", "ingress_port": "pf0vf0", "actions": ["teleport"]}]}'
     )
