@@ -120,7 +120,8 @@ takes, or none does. FILE (YAML or JSON):
   delete: [old-rule]                # optional: rules to remove
 
 match takes the FlowMatch fields of the API (docs/api.md). A rule whose ingress
-port changes is deleted and created. At most 1024 rules per list.
+port changes is deleted and created. At most 1024 rules per list. Reading YAML
+needs PyYAML (not a dependency of the SDK); JSON needs nothing.
 """
 
 
