@@ -83,11 +83,20 @@ class FlowTable:
             installed = self._backend.installed()
             ours = {(i.ingress_port, i.priority): i.rule_id for i in installed}
             reapplied, present, failed = [], [], []
+            missing = []
             for rule in saved:
                 self._rules[rule.rule_id] = rule
                 if ours.get((rule.ingress_port, rule.priority)) == rule.rule_id:
                     present.append(rule.rule_id)
-                    continue
+                else:
+                    missing.append(rule)
+            try:  # all at once (tc: one batch); if any fails, one by one to know which
+                self._backend.apply([], missing)
+                reapplied = [rule.rule_id for rule in missing]
+                missing = []
+            except Exception:  # noqa: BLE001 - the rules are tried one by one below
+                log.info("re-applying the rules one by one", extra={"rules": len(missing)})
+            for rule in missing:
                 try:
                     self._backend.install(rule)
                     reapplied.append(rule.rule_id)

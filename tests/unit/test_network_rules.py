@@ -158,7 +158,7 @@ def test_a_bulk_change_failing_half_way_leaves_datapath_table_and_store_as_befor
     with pytest.raises(FailedPrecondition):
         table.apply(changes)
     assert (set(backend.installed()), table.rules(), store.load()) == before
-    FailingBackend.refuse = ""
+    backend.refuse = ""
     applied = table.apply(changes)
     assert [r.rule_id for r in applied.deleted] == ["gone"]
     assert sorted(r.rule_id for r in table.rules()) == sorted(
@@ -204,3 +204,15 @@ def test_a_bulk_change_checks_ids_and_priorities_of_the_result(tmp_path):
     moved = rule(rid="b", priority=1, port="pf0vf1", actions=(model.Forward("pf0vf0"),))
     table.apply(Changes((moved,), delete=("b",)))  # deleted and created: moved to a port
     assert table.rules() == [moved]
+
+
+def test_start_reapplies_in_one_batch_and_reports_the_rule_that_fails(tmp_path):
+    store = RuleStore(tmp_path / "rules.json")
+    store.save([rule(rid=f"r-{n}", priority=n + 1) for n in range(30)])
+    backend = FailingBackend(sorted(PORTS))
+    report = FlowTable(backend, store).start()
+    assert [rule_id for rule_id, _ in report.failed] == ["r-25"]
+    assert len(report.reapplied) == 29
+    assert len(backend.installed()) == 29
+    fresh = MemoryFlowBackend(sorted(PORTS))
+    assert len(FlowTable(fresh, store).start().reapplied) == 30
