@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING, Final
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from google.protobuf import json_format
 
 from dpu_wire.v1 import network_pb2
+
+_M = TypeVar("_M", network_pb2.FlowRule, network_pb2.FlowAction)
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -101,6 +105,26 @@ def action_arg(text: str) -> network_pb2.FlowAction:  # noqa: PLR0911
     )
 
 
+APPLY_HELP: Final = """\
+Compare FILE with your rules on the agent, print what will change (+ create,
+~ update, - delete), and apply all of it in one ApplyFlowRules call: every change
+takes, or none does. FILE (YAML or JSON):
+
+  rules:
+    - name: web-in                  # the rule's id (or flowRules/web-in)
+      ingress_port: pf0vf0
+      priority: 10
+      match: {ethertype: 0x0800, ip_protocol: 6, dst_l4_port: 80}
+      actions: [count, forward=p0]  # --action syntax, or {forward: {port: p0}}
+      offload: any                  # any (default), hardware, software
+  delete: [old-rule]                # optional: rules to remove
+
+match takes the FlowMatch fields of the API (docs/api.md). A rule whose ingress
+port changes is deleted and created. At most 1024 rules per list. Reading YAML
+needs PyYAML (not a dependency of the SDK); JSON needs nothing.
+"""
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The `port` and `flow` commands."""
     port = sub.add_parser("port", help="the DPU's ports")
@@ -116,6 +140,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add.add_argument("--match", type=match_arg, action="append", default=[], metavar="KEY=VALUE")
     add.add_argument("--action", type=action_arg, action="append", required=True, dest="actions")
     add.add_argument("--offload", choices=OFFLOAD, default="any")
+    apply = act.add_parser(
+        "apply",
+        help="make the rules in FILE so, as one unit (all or none)",
+        description=APPLY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    apply.add_argument("file", help="a YAML or JSON rule set ('-': standard input)")
+    apply.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the diff, let the agent check it, change nothing",
+    )
+    apply.add_argument(
+        "--prune", action="store_true", help="also delete your rules that FILE does not list"
+    )
     listing = act.add_parser("list", help="rules, optionally on one port")
     listing.add_argument("--port", default="")
     for name, text in (("del", "remove a rule"), ("stats", "a rule's packets, bytes, last use")):
@@ -194,8 +233,143 @@ async def _stats(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(path: str) -> object:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        import yaml  # noqa: PLC0415 - only `flow apply` of a YAML file needs it
+    except ImportError:
+        raise SystemExit(f"{path}: not JSON, and reading YAML needs PyYAML") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SystemExit(f"{path}: {exc}") from None
+
+
+def _file_action(item: object, where: str) -> network_pb2.FlowAction:
+    if isinstance(item, str):
+        try:
+            return action_arg(item)
+        except argparse.ArgumentTypeError as exc:
+            raise SystemExit(f"{where}: {exc}") from None
+    if not isinstance(item, dict):
+        raise SystemExit(f"{where}: an action is a string or a mapping")
+    for kind in ("forward", "mirror"):
+        if isinstance(item.get(kind), str):
+            item = {kind: {"port": item[kind]}}
+        if isinstance(item.get(kind), dict) and "port" in item[kind]:
+            item = {kind: {**item[kind], "port": _port(str(item[kind]["port"]))}}
+    return _parse(item, network_pb2.FlowAction(), where)
+
+
+def _parse(data: dict[str, Any], message: _M, where: str) -> _M:
+    try:
+        return json_format.ParseDict(data, message)
+    except json_format.ParseError as exc:
+        raise SystemExit(f"{where}: {exc}") from None
+
+
+def rules_from_file(data: object) -> tuple[list[network_pb2.FlowRule], list[str]]:
+    """(the rules, the names to delete) of a `flow apply` file's contents."""
+    if not isinstance(data, dict) or not isinstance(data.get("rules", []), list):
+        raise SystemExit("the file needs a mapping with a list under 'rules'")
+    unknown = set(data) - {"rules", "delete"}
+    if unknown:
+        raise SystemExit(f"the file has unknown keys: {', '.join(sorted(unknown))}")
+    rules = []
+    for index, raw in enumerate(data.get("rules") or []):
+        where = f"rules[{index}]"
+        if not isinstance(raw, dict) or not raw.get("name") or not raw.get("ingress_port"):
+            raise SystemExit(f"{where}: a rule needs a name and an ingress_port")
+        fields = dict(raw)
+        actions = fields.pop("actions", None) or []
+        offload = fields.pop("offload", "any")
+        if not isinstance(actions, list):
+            raise SystemExit(f"{where}.actions: a list")
+        fields["name"] = _rule_name(str(fields["name"]))
+        fields["ingress_port"] = _port(str(fields["ingress_port"]))
+        rule = _parse(fields, network_pb2.FlowRule(), where)
+        rule.actions.extend(_file_action(a, f"{where}.actions[{i}]") for i, a in enumerate(actions))
+        if offload not in OFFLOAD:
+            raise SystemExit(f"{where}.offload: one of {', '.join(OFFLOAD)}")
+        rule.offload = OFFLOAD[offload]
+        rules.append(rule)
+    deletes = data.get("delete") or []
+    if not isinstance(deletes, list):
+        raise SystemExit("delete: a list of rule names")
+    return rules, [_rule_name(str(name)) for name in deletes]
+
+
+def _desired(rule: network_pb2.FlowRule) -> network_pb2.FlowRule:
+    """The fields a caller sets (output-only ones cleared), to compare two rules."""
+    out = network_pb2.FlowRule()
+    out.CopyFrom(rule)
+    for field in ("in_hardware", "counters", "tenant", "times"):
+        out.ClearField(field)
+    out.match.SetInParent()  # an empty match is a match
+    if out.offload == network_pb2.OFFLOAD_POLICY_UNSPECIFIED:
+        out.offload = network_pb2.OFFLOAD_POLICY_ANY
+    return out
+
+
+def plan(
+    current: list[network_pb2.FlowRule],
+    rules: list[network_pb2.FlowRule],
+    deletes: list[str],
+    *,
+    prune: bool,
+) -> tuple[list[network_pb2.FlowRule], list[network_pb2.FlowRule], list[str]]:
+    """(creates, updates, deletes) that make `current` hold `rules`."""
+    have = {r.name: _desired(r) for r in current}
+    wanted = {r.name for r in rules}
+    creates, updates, gone = [], [], []
+    for name in deletes:
+        if name in wanted:
+            raise SystemExit(f"{name} is both listed and to be deleted")
+        if name in have:
+            gone.append(name)
+    for rule in rules:
+        old = have.get(rule.name)
+        if old is None:
+            creates.append(rule)
+        elif old.ingress_port != rule.ingress_port:
+            gone.append(rule.name)
+            creates.append(rule)
+        elif old != _desired(rule):
+            updates.append(rule)
+    if prune:
+        gone += sorted(name for name in have if name not in wanted and name not in gone)
+    return creates, updates, gone
+
+
+async def _apply(client: Client, args: argparse.Namespace) -> int:
+    rules, deletes = rules_from_file(_load(args.file))
+    names = [r.name for r in rules]
+    if len(set(names)) < len(names):
+        raise SystemExit("a rule name appears twice in the file")
+    current = {r.name: r for r in await client.list_flow_rules()}
+    creates, updates, gone = plan(list(current.values()), rules, deletes, prune=args.prune)
+    for rule in creates:
+        print(f"+ {_rule_line(rule)}")
+    for rule in updates:
+        print(f"~ {_rule_line(rule)}\n    was {_rule_line(current[rule.name])}")
+    for name in gone:
+        print(f"- {_rule_line(current[name])}")
+    summary = f"{len(creates)} to create, {len(updates)} to update, {len(gone)} to delete"
+    if not (creates or updates or gone):
+        print("nothing to change")
+        return 0
+    await client.apply_flow_rules(creates, updates, gone, validate_only=args.dry_run)
+    print(f"dry run, checked by the agent: {summary}" if args.dry_run else f"applied: {summary}")
+    return 0
+
+
 FLOW_ACTIONS: Final[dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]]]] = {
     "add": _add,
+    "apply": _apply,
     "list": _list,
     "del": _del,
     "stats": _stats,

@@ -385,6 +385,31 @@ class Client:
             network_pb2.DeleteFlowRuleRequest(name=name, request_id=uuid.uuid4().hex),
         )
 
+    async def apply_flow_rules(
+        self,
+        creates: Sequence[network_pb2.FlowRule] = (),
+        updates: Sequence[network_pb2.FlowRule] = (),
+        deletes: Sequence[str] = (),
+        *,
+        validate_only: bool = False,
+    ) -> network_pb2.ApplyFlowRulesResponse:
+        """Create, update and delete rules as one unit: all of them take, or none.
+
+        Each rule carries its name ("flowRules/{rule}"); an update replaces the rule
+        of that name (same ingress port); `deletes` are names. With `validate_only`
+        the agent checks everything and changes nothing. At most 1024 per list.
+        """
+        return await self._call(
+            self.stubs.network.ApplyFlowRules,
+            network_pb2.ApplyFlowRulesRequest(
+                creates=creates,
+                updates=updates,
+                deletes=deletes,
+                validate_only=validate_only,
+                request_id=uuid.uuid4().hex,
+            ),
+        )
+
     async def create_function(
         self, function_id: str, function: virtualization_pb2.Function
     ) -> virtualization_pb2.Function:

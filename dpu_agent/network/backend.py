@@ -9,10 +9,13 @@ the kernel refuses (with the kernel's reason), Unavailable when it cannot be rea
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import TYPE_CHECKING
 
+from dpu_agent.errors import NotFound
+
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
     from dpu_agent.network.model import FlowRule, InstalledRule, PortInfo, RuleCounters
 
@@ -32,9 +35,42 @@ class FlowBackend(abc.ABC):
     def remove(self, rule: FlowRule) -> None:
         """Remove a rule (no error if it is already gone)."""
 
+    def apply(self, remove: Sequence[FlowRule], install: Sequence[FlowRule]) -> None:
+        """Remove, then install, rules as one unit: all of it or nothing.
+
+        This default does it one rule at a time and undoes what it did when a step
+        fails; a datapath that can batch (tc) overrides it.
+        """
+        removed: list[FlowRule] = []
+        installed: list[FlowRule] = []
+        try:
+            for rule in remove:
+                self.remove(rule)
+                removed.append(rule)
+            for rule in install:
+                self.install(rule)
+                installed.append(rule)
+        except BaseException:
+            for rule in reversed(installed):
+                self.remove(rule)
+            for rule in reversed(removed):
+                self.install(rule)
+            raise
+
     @abc.abstractmethod
     def counters(self, rule: FlowRule) -> RuleCounters:
         """What the datapath counted for a rule; NotFound if it is not installed."""
+
+    def counters_many(self, rules: Sequence[FlowRule]) -> dict[str, RuleCounters]:
+        """The counters of many rules by id; rules not installed are left out.
+
+        This default asks for each rule; tc reads each port's filters once.
+        """
+        found = {}
+        for rule in rules:
+            with contextlib.suppress(NotFound):
+                found[rule.rule_id] = self.counters(rule)
+        return found
 
     @abc.abstractmethod
     def installed(self) -> list[InstalledRule]:

@@ -8,15 +8,18 @@ re-applied, and filters the agent did not make are reported.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING
 
-from dpu_agent.errors import AlreadyExists, NotFound
+from dpu_agent.errors import AlreadyExists, InvalidArgument, NotFound
 from dpu_agent.network.validate import check_rule
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from dpu_agent.network.backend import FlowBackend
     from dpu_agent.network.model import FlowRule, InstalledRule, PortInfo, RuleCounters
     from dpu_agent.network.rulestore import RuleStore
@@ -32,6 +35,34 @@ class Reconciliation:
     present: tuple[str, ...] = ()
     failed: tuple[tuple[str, str], ...] = ()
     foreign: tuple[InstalledRule, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Changes:
+    """A bulk change: rules to create, rules replacing others of their id, ids to delete."""
+
+    create: tuple[FlowRule, ...] = ()
+    update: tuple[FlowRule, ...] = ()
+    delete: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """What a bulk change did (or, validating only, would do)."""
+
+    created: tuple[FlowRule, ...]
+    updated: tuple[FlowRule, ...]
+    deleted: tuple[FlowRule, ...]
+
+
+def _check_ids(changes: Changes) -> None:
+    """InvalidArgument if an id is created, updated or deleted twice, or updated and deleted."""
+    created = [r.rule_id for r in changes.create]
+    updated = [r.rule_id for r in changes.update]
+    for ids in (created + updated, updated + list(changes.delete)):
+        twice = [i for i, n in collections.Counter(ids).items() if n > 1]
+        if twice:
+            raise InvalidArgument(f"flowRules/{twice[0]} is changed more than once")
 
 
 class FlowTable:
@@ -52,11 +83,20 @@ class FlowTable:
             installed = self._backend.installed()
             ours = {(i.ingress_port, i.priority): i.rule_id for i in installed}
             reapplied, present, failed = [], [], []
+            missing = []
             for rule in saved:
                 self._rules[rule.rule_id] = rule
                 if ours.get((rule.ingress_port, rule.priority)) == rule.rule_id:
                     present.append(rule.rule_id)
-                    continue
+                else:
+                    missing.append(rule)
+            try:  # all at once (tc: one batch); if any fails, one by one to know which
+                self._backend.apply([], missing)
+                reapplied = [rule.rule_id for rule in missing]
+                missing = []
+            except Exception:  # noqa: BLE001 - the rules are tried one by one below
+                log.info("re-applying the rules one by one", extra={"rules": len(missing)})
+            for rule in missing:
                 try:
                     self._backend.install(rule)
                     reapplied.append(rule.rule_id)
@@ -109,6 +149,49 @@ class FlowTable:
             self._save()
             return rule
 
+    def apply(self, changes: Changes, *, validate_only: bool = False) -> Applied:
+        """Create, update and delete rules as one unit: all of them or none.
+
+        Every rule is checked, ids must be new (create) or known (update, delete) and
+        appear once (a rule both deleted and created is replaced, e.g. to move it to
+        another port), and no two rules of the result share a (port, priority); then
+        the datapath gets the whole change at once and the store is saved once. If
+        anything fails, the datapath, the table and the store stay as they were.
+        """
+        with self._lock:
+            _check_ids(changes)
+            for rule in changes.create:
+                if rule.rule_id in self._rules and rule.rule_id not in changes.delete:
+                    raise AlreadyExists(f"flowRules/{rule.rule_id} already exists")
+            old = [self._get(r.rule_id) for r in changes.update]
+            gone = [self._get(rule_id) for rule_id in changes.delete]
+            ports = {p.name for p in self._backend.ports()}
+            result = dict(self._rules)
+            for rule in (*old, *gone):
+                del result[rule.rule_id]
+            slots = {(r.ingress_port, r.priority): r for r in result.values()}
+            for rule in (*changes.update, *changes.create):
+                check_rule(rule, ports)
+                other = slots.get((rule.ingress_port, rule.priority))
+                if other is not None:
+                    self._check_free(rule, (other,))
+                slots[rule.ingress_port, rule.priority] = rule
+                result[rule.rule_id] = rule
+            applied = Applied(changes.create, changes.update, tuple(gone))
+            if validate_only:
+                return applied
+            remove = [*old, *gone]
+            install = [*changes.update, *changes.create]
+            self._backend.apply(remove, install)
+            before, self._rules = self._rules, result
+            try:
+                self._save()
+            except BaseException:
+                self._rules = before
+                self._backend.apply(install, remove)
+                raise
+            return applied
+
     def delete(self, rule_id: str) -> None:
         """Remove a rule from the datapath and the store."""
         with self._lock:
@@ -132,6 +215,12 @@ class FlowTable:
         """What the datapath counted for a rule."""
         return self._backend.counters(self.get(rule_id))
 
+    def counters_many(self, rule_ids: Iterable[str]) -> dict[str, RuleCounters]:
+        """Counters of many rules in one read of the datapath; unknown ids are left out."""
+        with self._lock:
+            rules = [self._rules[i] for i in rule_ids if i in self._rules]
+        return self._backend.counters_many(rules)
+
     def _get(self, rule_id: str) -> FlowRule:
         rule = self._rules.get(rule_id)
         if rule is None:
@@ -140,9 +229,11 @@ class FlowTable:
 
     def _check(self, rule: FlowRule, replacing: FlowRule | None) -> None:
         check_rule(rule, {p.name for p in self._backend.ports()})
-        for other in self._rules.values():
-            if other is replacing:
-                continue
+        self._check_free(rule, (r for r in self._rules.values() if r is not replacing))
+
+    @staticmethod
+    def _check_free(rule: FlowRule, others: Iterable[FlowRule]) -> None:
+        for other in others:
             if (other.ingress_port, other.priority) == (rule.ingress_port, rule.priority):
                 holder = f"flowRules/{other.rule_id}" if other.tenant == rule.tenant else "a rule"
                 raise AlreadyExists(  # another tenant's rule is not named

@@ -20,6 +20,7 @@ from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument, ResourceExhausted
 from dpu_agent.network import model
 from dpu_agent.network.access import check_rule_ports
+from dpu_agent.network.table import Applied, Changes
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_wire import names
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
     from dpu_agent.network.table import FlowTable
 
 MIN_INTERVAL_MS: Final = 100
-MS_PER_WATCHED_RULE: Final = 10  # a watch of n rules updates at most every 10 n ms
-MAX_WATCHED_RULES: Final = 1000
+MS_PER_WATCHED_RULE: Final = 1  # a watch of n rules updates at most every n ms
+MAX_WATCHED_NAMES: Final = 1000  # rules named in one watch request
+MAX_WATCHED_RULES: Final = 10_000  # rules a watch of all the caller's rules covers
 MAX_WATCHES_PER_TENANT: Final = 16  # concurrent WatchFlowCounters streams
 _KINDS: Final = {
     model.PortKind.UPLINK: network_pb2.PORT_KIND_UPLINK,
@@ -262,10 +264,6 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         check_rule_ports(rule, principal, {p.name for p in self._table.ports()}, owners)
         return self._table.update(rule) if replace else self._table.create(rule)
 
-    def _counters(self, rule_ids: list[str]) -> list[model.RuleCounters]:
-        """Every rule's counters, in one trip to a worker thread."""
-        return [self._table.counters(rule_id) for rule_id in rule_ids]
-
     async def _owned(self, rule_id: str) -> model.FlowRule:
         """The rule, if the caller may see it; NotFound as for a missing one otherwise."""
         rule = await asyncio.to_thread(self._table.get, rule_id)
@@ -366,6 +364,85 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         await asyncio.to_thread(self._table.delete, rule_id)
         return network_pb2.DeleteFlowRuleResponse()
 
+    async def ApplyFlowRules(
+        self,
+        request: network_pb2.ApplyFlowRulesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> network_pb2.ApplyFlowRulesResponse:
+        """Create, update and delete the caller's rules as one unit (all or none).
+
+        Each list holds at most 1024 entries and the request 4096 items in all
+        (`dpu_agent.validation`). Updates and deletes name the caller's rules
+        (another tenant's answer NOT_FOUND), every port is checked as for one rule,
+        and the tenant's quota counts the rules after the whole change.
+        """
+        principal = auth.current_principal()
+        tenant = principal.tenant
+        creates = tuple(
+            rule_from(resource_id(r.name, "flowRules", f"creates[{i}].name"), r, tenant)
+            for i, r in enumerate(request.creates)
+        )
+        update_ids = [
+            resource_id(r.name, "flowRules", f"updates[{i}].name")
+            for i, r in enumerate(request.updates)
+        ]
+        deletes = tuple(
+            resource_id(n, "flowRules", f"deletes[{i}]") for i, n in enumerate(request.deletes)
+        )
+        olds = await asyncio.to_thread(self._owned_rules, [*update_ids, *deletes])
+        updates = []
+        for i, (rule_id, incoming) in enumerate(zip(update_ids, request.updates, strict=True)):
+            old = olds[i]
+            new = rule_from(rule_id, incoming, old.tenant)
+            if new.ingress_port != old.ingress_port:
+                raise InvalidArgument(
+                    f"updates[{i}]: the ingress port of flowRules/{rule_id} cannot change"
+                    " (delete it and create it)"
+                )
+            updates.append(new)
+        changes = Changes(creates, tuple(updates), deletes)
+        async with self._creating:
+            owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
+            leaving = sum(1 for r in olds[len(update_ids) :] if r.tenant == tenant)
+            if creates:
+                self._quotas.check_flow_rules(tenant, owned + len(creates) - leaving)
+            applied = await asyncio.to_thread(
+                self._apply_bulk, changes, principal, request.validate_only
+            )
+        return network_pb2.ApplyFlowRulesResponse(
+            created=[rule_to(r) for r in applied.created],
+            updated=[rule_to(r) for r in applied.updated],
+            deleted=[f"flowRules/{r.rule_id}" for r in applied.deleted],
+        )
+
+    def _owned_rules(self, rule_ids: list[str]) -> list[model.FlowRule]:
+        """The rules, if the caller may see each (NotFound as for a missing one). In a thread."""
+        rules = []
+        for rule_id in rule_ids:
+            rule = self._table.get(rule_id)
+            auth.check_owner(rule.tenant, f"flowRules/{rule_id}")
+            rules.append(rule)
+        return rules
+
+    def _apply_bulk(self, changes: Changes, principal: Principal, validate_only: bool) -> Applied:  # noqa: FBT001
+        """Check every port the change names, then apply it, ownership held still. In a thread."""
+        if self._owners is None:
+            return self._apply_checked(changes, principal, None, validate_only)
+        with self._owners.port_owners() as owners:
+            return self._apply_checked(changes, principal, owners, validate_only)
+
+    def _apply_checked(
+        self,
+        changes: Changes,
+        principal: Principal,
+        owners: Mapping[str, str] | None,
+        validate_only: bool,  # noqa: FBT001
+    ) -> Applied:
+        managed = {p.name for p in self._table.ports()}
+        for rule in (*changes.create, *changes.update):
+            check_rule_ports(rule, principal, managed, owners)
+        return self._table.apply(changes, validate_only=validate_only)
+
     async def WatchFlowCounters(
         self,
         request: network_pb2.WatchFlowCountersRequest,
@@ -373,13 +450,15 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     ) -> AsyncIterator[network_pb2.FlowCounterUpdate]:
         """The selected rules' counters (default: the caller's) every interval, until it goes.
 
-        A tenant holds at most `MAX_WATCHES_PER_TENANT` watches; each round reads every
-        counter in one trip to a worker thread, and rounds are at least
+        A watch names at most `MAX_WATCHED_NAMES` rules, or covers the caller's first
+        `MAX_WATCHED_RULES`. A tenant holds at most `MAX_WATCHES_PER_TENANT` watches;
+        each round reads every counter in one read of the datapath (tc: one dump per
+        port) in a worker thread, and rounds are at least
         `MIN_INTERVAL_MS` and `MS_PER_WATCHED_RULE` per rule apart, so watches cost the
         event loop a bounded number of updates a second.
         """
-        if len(request.names) > MAX_WATCHED_RULES:
-            raise InvalidArgument(f"names: at most {MAX_WATCHED_RULES} rules per watch")
+        if len(request.names) > MAX_WATCHED_NAMES:
+            raise InvalidArgument(f"names: at most {MAX_WATCHED_NAMES} rules per watch")
         principal = auth.current_principal()
         wanted = [resource_id(n, "flowRules", f"names[{i}]") for i, n in enumerate(request.names)]
         for rule_id in wanted:
@@ -395,11 +474,13 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             while True:
                 visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
                 ids = wanted or visible[:MAX_WATCHED_RULES]
-                counters = await asyncio.to_thread(self._counters, ids)
-                for rule_id, counted in zip(ids, counters, strict=True):
-                    yield network_pb2.FlowCounterUpdate(
-                        name=f"flowRules/{rule_id}", counters=counters_to(counted)
-                    )
+                counters = await asyncio.to_thread(self._table.counters_many, ids)
+                for rule_id in ids:
+                    counted = counters.get(rule_id)
+                    if counted is not None:  # deleted meanwhile
+                        yield network_pb2.FlowCounterUpdate(
+                            name=f"flowRules/{rule_id}", counters=counters_to(counted)
+                        )
                 interval_ms = max(
                     request.interval_ms or 1000, MIN_INTERVAL_MS, MS_PER_WATCHED_RULE * len(ids)
                 )

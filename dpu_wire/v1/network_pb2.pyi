@@ -772,16 +772,89 @@ class DeleteFlowRuleResponse(_message.Message):
 Global___DeleteFlowRuleResponse: _TypeAlias = DeleteFlowRuleResponse  # noqa: Y015
 
 @_typing.final
+class ApplyFlowRulesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CREATES_FIELD_NUMBER: _builtins.int
+    UPDATES_FIELD_NUMBER: _builtins.int
+    DELETES_FIELD_NUMBER: _builtins.int
+    VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    validate_only: _builtins.bool
+    """Check every change (ids, ports, priorities, quota), change nothing."""
+    request_id: _builtins.str
+    @_builtins.property
+    def creates(self) -> _containers.RepeatedCompositeFieldContainer[Global___FlowRule]:
+        """New rules, each named "flowRules/{rule}" (the name gives its id)."""
+
+    @_builtins.property
+    def updates(self) -> _containers.RepeatedCompositeFieldContainer[Global___FlowRule]:
+        """Rules replacing the caller's rules of the same name: priority, match, actions
+        and offload as given; the ingress port may not change (delete and create).
+        """
+
+    @_builtins.property
+    def deletes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The caller's rules to remove, "flowRules/{rule}"."""
+
+    def __init__(
+        self,
+        *,
+        creates: _abc.Iterable[Global___FlowRule] | None = ...,
+        updates: _abc.Iterable[Global___FlowRule] | None = ...,
+        deletes: _abc.Iterable[_builtins.str] | None = ...,
+        validate_only: _builtins.bool = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["creates", b"creates", "deletes", b"deletes", "request_id", b"request_id", "updates", b"updates", "validate_only", b"validate_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplyFlowRulesRequest: _TypeAlias = ApplyFlowRulesRequest  # noqa: Y015
+
+@_typing.final
+class ApplyFlowRulesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CREATED_FIELD_NUMBER: _builtins.int
+    UPDATED_FIELD_NUMBER: _builtins.int
+    DELETED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def created(self) -> _containers.RepeatedCompositeFieldContainer[Global___FlowRule]: ...
+    @_builtins.property
+    def updated(self) -> _containers.RepeatedCompositeFieldContainer[Global___FlowRule]: ...
+    @_builtins.property
+    def deleted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"flowRules/{rule}" """
+
+    def __init__(
+        self,
+        *,
+        created: _abc.Iterable[Global___FlowRule] | None = ...,
+        updated: _abc.Iterable[Global___FlowRule] | None = ...,
+        deleted: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "deleted", b"deleted", "updated", b"updated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplyFlowRulesResponse: _TypeAlias = ApplyFlowRulesResponse  # noqa: Y015
+
+@_typing.final
 class WatchFlowCountersRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAMES_FIELD_NUMBER: _builtins.int
     INTERVAL_MS_FIELD_NUMBER: _builtins.int
     interval_ms: _builtins.int
-    """0 = 1000; at least 100, and 10 per rule watched"""
+    """0 = 1000; at least 100, and 1 per rule watched"""
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Rules to watch; empty for all."""
+        """Rules to watch (at most 1000); empty for all the caller's (the first 10,000)."""
 
     def __init__(
         self,

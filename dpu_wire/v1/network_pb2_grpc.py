@@ -70,6 +70,11 @@ class NetworkServiceStub:
                 request_serializer=dpu_dot_v1_dot_network__pb2.DeleteFlowRuleRequest.SerializeToString,
                 response_deserializer=dpu_dot_v1_dot_network__pb2.DeleteFlowRuleResponse.FromString,
                 _registered_method=True)
+        self.ApplyFlowRules = channel.unary_unary(
+                '/dpu.v1.NetworkService/ApplyFlowRules',
+                request_serializer=dpu_dot_v1_dot_network__pb2.ApplyFlowRulesRequest.SerializeToString,
+                response_deserializer=dpu_dot_v1_dot_network__pb2.ApplyFlowRulesResponse.FromString,
+                _registered_method=True)
         self.WatchFlowCounters = channel.unary_stream(
                 '/dpu.v1.NetworkService/WatchFlowCounters',
                 request_serializer=dpu_dot_v1_dot_network__pb2.WatchFlowCountersRequest.SerializeToString,
@@ -122,6 +127,15 @@ class NetworkServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyFlowRules(self, request, context):
+        """Creates, updates and deletes many rules as one unit: all of them or none (the
+        datapath and the saved rules stay as they were). The datapath gets the whole
+        change at once (tc: one netlink batch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchFlowCounters(self, request, context):
         """Streams counter updates of the selected rules at the requested interval.
         """
@@ -166,6 +180,11 @@ def add_NetworkServiceServicer_to_server(servicer, server):
                     servicer.DeleteFlowRule,
                     request_deserializer=dpu_dot_v1_dot_network__pb2.DeleteFlowRuleRequest.FromString,
                     response_serializer=dpu_dot_v1_dot_network__pb2.DeleteFlowRuleResponse.SerializeToString,
+            ),
+            'ApplyFlowRules': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyFlowRules,
+                    request_deserializer=dpu_dot_v1_dot_network__pb2.ApplyFlowRulesRequest.FromString,
+                    response_serializer=dpu_dot_v1_dot_network__pb2.ApplyFlowRulesResponse.SerializeToString,
             ),
             'WatchFlowCounters': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchFlowCounters,
@@ -362,6 +381,33 @@ class NetworkService:
             '/dpu.v1.NetworkService/DeleteFlowRule',
             dpu_dot_v1_dot_network__pb2.DeleteFlowRuleRequest.SerializeToString,
             dpu_dot_v1_dot_network__pb2.DeleteFlowRuleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyFlowRules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpu.v1.NetworkService/ApplyFlowRules',
+            dpu_dot_v1_dot_network__pb2.ApplyFlowRulesRequest.SerializeToString,
+            dpu_dot_v1_dot_network__pb2.ApplyFlowRulesResponse.FromString,
             options,
             channel_credentials,
             insecure,

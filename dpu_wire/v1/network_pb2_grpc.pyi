@@ -42,6 +42,11 @@ class NetworkServiceStub:
     ListFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]
     UpdateFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.UpdateFlowRuleRequest, _network_pb2.FlowRule]
     DeleteFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.DeleteFlowRuleRequest, _network_pb2.DeleteFlowRuleResponse]
+    ApplyFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ApplyFlowRulesRequest, _network_pb2.ApplyFlowRulesResponse]
+    """Creates, updates and deletes many rules as one unit: all of them or none (the
+    datapath and the saved rules stay as they were). The datapath gets the whole
+    change at once (tc: one netlink batch).
+    """
     WatchFlowCounters: _grpc.UnaryStreamMultiCallable[_network_pb2.WatchFlowCountersRequest, _network_pb2.FlowCounterUpdate]
     """Streams counter updates of the selected rules at the requested interval."""
 
@@ -55,6 +60,11 @@ class NetworkServiceAsyncStub(NetworkServiceStub):
     ListFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]  # type: ignore[assignment]
     UpdateFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.UpdateFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
     DeleteFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.DeleteFlowRuleRequest, _network_pb2.DeleteFlowRuleResponse]  # type: ignore[assignment]
+    ApplyFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ApplyFlowRulesRequest, _network_pb2.ApplyFlowRulesResponse]  # type: ignore[assignment]
+    """Creates, updates and deletes many rules as one unit: all of them or none (the
+    datapath and the saved rules stay as they were). The datapath gets the whole
+    change at once (tc: one netlink batch).
+    """
     WatchFlowCounters: _aio.UnaryStreamMultiCallable[_network_pb2.WatchFlowCountersRequest, _network_pb2.FlowCounterUpdate]  # type: ignore[assignment]
     """Streams counter updates of the selected rules at the requested interval."""
 
@@ -107,6 +117,17 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _network_pb2.DeleteFlowRuleRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_network_pb2.DeleteFlowRuleResponse, _abc.Awaitable[_network_pb2.DeleteFlowRuleResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ApplyFlowRules(
+        self,
+        request: _network_pb2.ApplyFlowRulesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_network_pb2.ApplyFlowRulesResponse, _abc.Awaitable[_network_pb2.ApplyFlowRulesResponse]]:
+        """Creates, updates and deletes many rules as one unit: all of them or none (the
+        datapath and the saved rules stay as they were). The datapath gets the whole
+        change at once (tc: one netlink batch).
+        """
 
     @_abc_1.abstractmethod
     def WatchFlowCounters(

@@ -169,3 +169,107 @@ async def test_a_tenant_holds_a_bounded_number_of_counter_watches(memory_agent):
         finally:
             for watch in watches:
                 watch.cancel()
+
+
+def named(name, rule):
+    rule.name = f"flowRules/{name}"
+    return rule
+
+
+async def test_a_bulk_apply_takes_whole_or_not_at_all(memory_agent, tmp_path):
+    agent, _ = memory_agent
+    saved = tmp_path / "r.json"
+    async with host_client.Client(agent.address) as client:
+        await client.create_flow_rule("keep", forward_rule(priority=1))
+        await client.create_flow_rule("change", forward_rule(priority=2))
+        await client.create_flow_rule("drop-me", forward_rule(priority=3))
+        before, text = await client.list_flow_rules(), saved.read_text()
+        creates = [named(f"new-{n}", forward_rule(priority=100 + n)) for n in range(50)]
+        bad = [
+            (forward_rule(priority=150, dst_l4_port=80), host_client.InvalidArgumentError),
+            (forward_rule(priority=1), host_client.AlreadyExistsError),  # keep's
+            (forward_rule(to="nope", priority=151), host_client.NotFoundError),
+        ]
+        for rule, error in bad:
+            middle = [*creates[:25], named("bad", rule), *creates[25:]]
+            with pytest.raises(error):
+                await client.apply_flow_rules(
+                    middle, [named("change", forward_rule(priority=20))], ["flowRules/drop-me"]
+                )
+            assert await client.list_flow_rules() == before
+            assert saved.read_text() == text
+        checked = await client.apply_flow_rules(creates, validate_only=True)
+        assert len(checked.created) == 50
+        assert await client.list_flow_rules() == before
+        done = await client.apply_flow_rules(
+            creates, [named("change", forward_rule(priority=3))], ["flowRules/drop-me"]
+        )  # change takes drop-me's priority in the same unit
+        assert [r.name for r in done.updated] == ["flowRules/change"]
+        assert list(done.deleted) == ["flowRules/drop-me"]
+        names = [r.name for r in await client.list_flow_rules()]
+        assert len(names) == 52
+        assert "flowRules/drop-me" not in names
+        assert (await client.get_flow_rule("flowRules/change")).priority == 3
+        with pytest.raises(host_client.InvalidArgumentError, match="more than once"):
+            await client.apply_flow_rules([], [], ["flowRules/keep", "flowRules/keep"])
+
+
+RULE_SET = """\
+rules:
+  - name: web
+    ingress_port: pf0vf0
+    priority: 5
+    match: {ethertype: 0x0800, ip_protocol: 6, dst_l4_port: 80}
+    actions: [count, forward=pf0vf1]
+  - name: back
+    ingress_port: pf0vf1
+    priority: 5
+    actions: [{forward: {port: pf0vf0}}]
+"""
+
+
+async def test_dpuctl_flow_apply_shows_the_diff_and_applies_it(memory_agent, tmp_path):
+    agent, _ = memory_agent
+
+    def dpuctl(*args):
+        return subprocess.run(
+            [str(BIN / "dpuctl"), "--target", agent.address, "flow", *args],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    assert (
+        dpuctl("add", "old", "--port", "p0", "--priority", "9", "--action", "drop").returncode == 0
+    )
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULE_SET)
+    dry = dpuctl("apply", str(rules), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "+ flowRules/web" in dry.stdout
+    assert "+ flowRules/back" in dry.stdout
+    assert "dry run, checked by the agent: 2 to create, 0 to update, 0 to delete" in dry.stdout
+    assert "flowRules/web" not in dpuctl("list").stdout
+    done = dpuctl("apply", str(rules))
+    assert done.returncode == 0, done.stderr
+    assert "applied: 2 to create" in done.stdout
+    assert "nothing to change" in dpuctl("apply", str(rules)).stdout
+    rules.write_text(RULE_SET.replace("priority: 5\n    match", "priority: 7\n    match"))
+    changed = dpuctl("apply", str(rules), "--prune")
+    assert changed.returncode == 0, changed.stderr
+    assert "~ flowRules/web" in changed.stdout
+    assert "- flowRules/old" in changed.stdout
+    assert "1 to update, 1 to delete" in changed.stdout
+    listed = dpuctl("list").stdout
+    assert "flowRules/old" not in listed
+    assert "prio 7" in listed
+    rules.write_text(RULE_SET.replace("ingress_port: pf0vf1", "ingress_port: pf0vf2"))
+    moved = dpuctl("apply", str(rules))
+    assert moved.returncode == 0, moved.stderr
+    assert "+ flowRules/back" in moved.stdout
+    assert "- flowRules/back" in moved.stdout
+    assert "ports/pf0vf2" in dpuctl("list").stdout
+    rules.write_text(
+        '{"rules": [{"name": "x", "ingress_port": "pf0vf0", "actions": ["teleport"]}]}'
+    )
+    bad = dpuctl("apply", str(rules))
+    assert bad.returncode != 0
+    assert "teleport" in bad.stderr

@@ -4,11 +4,11 @@ import ipaddress
 
 import pytest
 
-from dpu_agent.errors import AlreadyExists, InvalidArgument, NotFound
+from dpu_agent.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from dpu_agent.network import model
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore, from_json, to_json
-from dpu_agent.network.table import FlowTable
+from dpu_agent.network.table import Changes, FlowTable
 from dpu_agent.network.validate import check_rule
 
 PORTS = {"p0", "pf0vf0", "pf0vf1"}
@@ -32,10 +32,16 @@ def rule(match=ANY, actions=TO_VF1, priority=10, port="pf0vf0", rid="r1"):
         (rule(match=M(dst_port=80)), "L4 port needs ip_protocol"),
         (rule(match=M(dst_port=80, ip_protocol=1, ethertype=0x0800)), "L4 port needs ip_protocol"),
         (rule(match=M(ip_protocol=17)), "ip_protocol needs an IP ethertype"),
-        (rule(match=M(ethertype=0x0806, dst_ip=net("10.0.0.0/8"))), "needs an IPv4 or IPv6"),
-        (rule(match=M(ethertype=0x86DD, dst_ip=net("10.0.0.0/8"))), "do not fit the ethertype"),
+        (
+            rule(match=M(ethertype=0x0806, dst_ip=net("10.0.0.0/8"))),
+            "0x0806 does not carry the IP version",
+        ),
+        (
+            rule(match=M(ethertype=0x86DD, dst_ip=net("10.0.0.0/8"))),
+            "does not carry the IP version",
+        ),
         (rule(match=M(src_ip=net("10.0.0.0/8"), dst_ip=net("::/0"))), "different IP versions"),
-        (rule(match=M(vlan_id=5000)), "vlan_id must be 0..4095"),
+        (rule(match=M(vlan_id=5000)), "vlan_id must be 0..4094"),
         (rule(match=M(src_mac="zz:00:00:00:00:00")), "is not a MAC address"),
         (rule(actions=()), "at least one action"),
         (rule(actions=(model.Forward("pf0vf0"),)), "its own ingress port"),
@@ -43,7 +49,7 @@ def rule(match=ANY, actions=TO_VF1, priority=10, port="pf0vf0", rid="r1"):
         (rule(actions=(model.Forward("p0"), model.Forward("pf0vf1"))), "at most one port"),
         (rule(actions=(model.Forward("p0"), model.Drop())), "both forward and drop"),
         (rule(actions=(model.Drop(), model.Count())), "drop must be the last action"),
-        (rule(actions=(model.Police(0, 1000),)), "rate and a burst above 0"),
+        (rule(actions=(model.Police(0, 1000),)), "police.rate_bps must be 8.."),
         (rule(actions=(model.VlanPush(0),)), "vlan_push.vlan_id must be 1..4094"),
         (
             rule(
@@ -126,3 +132,87 @@ def test_foreign_filters_are_reported(tmp_path):
     table = FlowTable(backend, RuleStore(tmp_path / "rules.json"))
     report = table.start()
     assert [(f.ingress_port, f.priority) for f in report.foreign] == [("pf0vf0", 99)]
+
+
+class FailingBackend(MemoryFlowBackend):
+    """Refuses to install the rule with id `refuse` (a datapath failing half-way)."""
+
+    refuse = "r-25"
+
+    def install(self, rule):
+        if rule.rule_id == self.refuse:
+            raise FailedPrecondition("the kernel refused it")
+        super().install(rule)
+
+
+def test_a_bulk_change_failing_half_way_leaves_datapath_table_and_store_as_before(tmp_path):
+    backend = FailingBackend(sorted(PORTS))
+    store = RuleStore(tmp_path / "rules.json")
+    table = FlowTable(backend, store)
+    table.start()
+    table.create(rule(rid="old", priority=1))
+    table.create(rule(rid="gone", priority=2))
+    before = (set(backend.installed()), table.rules(), store.load())
+    creates = tuple(rule(rid=f"r-{n}", priority=100 + n) for n in range(50))
+    changes = Changes(creates, (rule(rid="old", priority=2),), ("gone",))
+    with pytest.raises(FailedPrecondition):
+        table.apply(changes)
+    assert (set(backend.installed()), table.rules(), store.load()) == before
+    backend.refuse = ""
+    applied = table.apply(changes)
+    assert [r.rule_id for r in applied.deleted] == ["gone"]
+    assert sorted(r.rule_id for r in table.rules()) == sorted(
+        ["old", *(r.rule_id for r in creates)]
+    )
+    assert table.get("old").priority == 2
+    assert len(store.load()) == 51
+    assert {i.rule_id for i in backend.installed()} == {r.rule_id for r in table.rules()}
+
+
+def test_a_bulk_change_that_cannot_be_saved_is_undone_in_the_datapath(tmp_path):
+    class BrokenStore(RuleStore):
+        def save(self, rules):  # noqa: ARG002 - refuses any
+            raise OSError("disk full")
+
+    backend = MemoryFlowBackend(sorted(PORTS))
+    table = FlowTable(backend, BrokenStore(tmp_path / "rules.json"))
+    table.start()
+    with pytest.raises(OSError, match="disk full"):
+        table.apply(Changes((rule(rid="a"), rule(rid="b", priority=11))))
+    assert backend.installed() == []
+    assert table.rules() == []
+
+
+def test_a_bulk_change_checks_ids_and_priorities_of_the_result(tmp_path):
+    table = FlowTable(MemoryFlowBackend(sorted(PORTS)), RuleStore(tmp_path / "rules.json"))
+    table.start()
+    table.create(rule(rid="a", priority=1))
+    with pytest.raises(AlreadyExists, match="already has priority 1"):
+        table.apply(Changes((rule(rid="b", priority=1),)))
+    with pytest.raises(AlreadyExists, match="already has priority 5"):
+        table.apply(Changes((rule(rid="b", priority=5), rule(rid="c", priority=5))))
+    with pytest.raises(AlreadyExists, match="flowRules/a already exists"):
+        table.apply(Changes((rule(rid="a", priority=9),)))
+    with pytest.raises(NotFound):
+        table.apply(Changes(delete=("zz",)))
+    with pytest.raises(InvalidArgument, match="more than once"):
+        table.apply(Changes((rule(rid="b", priority=7), rule(rid="b", priority=8))))
+    with pytest.raises(InvalidArgument, match="more than once"):
+        table.apply(Changes(update=(rule(rid="a", priority=7),), delete=("a",)))
+    table.apply(Changes((rule(rid="b", priority=1),), delete=("a",)))  # freed in the same unit
+    assert [r.rule_id for r in table.rules()] == ["b"]
+    moved = rule(rid="b", priority=1, port="pf0vf1", actions=(model.Forward("pf0vf0"),))
+    table.apply(Changes((moved,), delete=("b",)))  # deleted and created: moved to a port
+    assert table.rules() == [moved]
+
+
+def test_start_reapplies_in_one_batch_and_reports_the_rule_that_fails(tmp_path):
+    store = RuleStore(tmp_path / "rules.json")
+    store.save([rule(rid=f"r-{n}", priority=n + 1) for n in range(30)])
+    backend = FailingBackend(sorted(PORTS))
+    report = FlowTable(backend, store).start()
+    assert [rule_id for rule_id, _ in report.failed] == ["r-25"]
+    assert len(report.reapplied) == 29
+    assert len(backend.installed()) == 29
+    fresh = MemoryFlowBackend(sorted(PORTS))
+    assert len(FlowTable(fresh, store).start().reapplied) == 30

@@ -249,14 +249,15 @@ def test_mirror_copies_to_rep3_while_h2_still_gets_it(backend):
 BAD_RULES = [
     (FlowMatch(ip_protocol=UDP), (Drop(),), InvalidArgument, "ip_protocol needs"),
     (FlowMatch(ethertype=0x0806, ip_protocol=UDP), (Drop(),), InvalidArgument, "ip_protocol"),
-    (FlowMatch(ethertype=IPV4, dst_port=80), (Drop(),), InvalidArgument, "dst_port need"),
+    (FlowMatch(ethertype=IPV4, dst_port=80), (Drop(),), InvalidArgument, "L4 port needs"),
     (
         FlowMatch(ethertype=0x86DD, dst_ip=ipaddress.ip_network("10.10.0.0/24")),
         (Drop(),),
         InvalidArgument,
         "IP version",
     ),
-    (FlowMatch(), (Drop(), Forward("rep2")), InvalidArgument, "last action"),
+    (FlowMatch(), (Drop(), Forward("rep2")), InvalidArgument, "both forward and drop"),
+    (FlowMatch(), (Drop(), Count()), InvalidArgument, "last action"),
     (FlowMatch(), (), InvalidArgument, "at least one action"),
     (FlowMatch(), (Forward("rep9"),), NotFound, "rep9"),
     (FlowMatch(src_mac="02:00:00:00:00"), (Count(),), InvalidArgument, "MAC"),
@@ -369,7 +370,7 @@ def test_vxlan_encap_and_decap_rules():
             for words in ("enc_key_id 42", "unset", "device rep2"):
                 assert words in shown
             assert {"encap", "decap"} <= {r.rule_id for r in flow.installed()}
-            with pytest.raises(InvalidArgument, match="followed by a Forward"):
+            with pytest.raises(InvalidArgument, match="followed by a forward"):
                 flow.install(FlowRule("no-fwd", 21, "rep1", FlowMatch(), (tunnel,)))
             flow.remove(encap)
             flow.remove(decap)
