@@ -52,9 +52,11 @@ def test_concurrent_fua_writes_and_flushes_share_syncs():
     media = GatedMedia(delay=0.02)  # every sync takes 20 ms
     with gated_store(media) as store:
         before = store._journal.commits
+        rounds = threading.Barrier(16)  # the 16 callers of a round arrive together
 
         def work(k: int) -> None:
             for i in range(4):
+                rounds.wait(10)
                 store.write("v", (k * 4 + i) * 4096, bytes([k]) * 4096, fua=i % 2 == 0)
                 if i % 2:
                     store.flush("v")
