@@ -23,12 +23,12 @@ from dpu_wire.v1 import (
     virtualization_pb2,
 )
 from host_client._completion import Completion
+from host_client._diagnose import explain
 from host_client._errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
-    from_rpc_error,
 )
 from host_client._request_ids import for_call
 from host_client._rpc import Rpc, Stubs, _Page
@@ -124,7 +124,7 @@ class Client:
         if self._channel is not None:
             raise RuntimeError("Client is already open (it is not re-entrant)")
         self._channel = open_channel(self.target, self.tls, self._token or None, [])
-        self._rpc = Rpc(Stubs.over(self._channel), self.timeout)
+        self._rpc = Rpc(Stubs.over(self._channel), self.timeout, self._explain)
         return self
 
     async def __aexit__(
@@ -156,9 +156,14 @@ class Client:
         try:
             await _with_timeout(self._channel.channel_ready(), timeout)
         except TimeoutError:
+            reason = await self._explain()
             raise UnavailableError(
-                "UNAVAILABLE", f"agent at {self.target} not reachable within {timeout} s"
+                "UNAVAILABLE", reason or f"agent at {self.target} not reachable within {timeout} s"
             ) from None
+
+    async def _explain(self) -> str | None:
+        """Why the channel cannot connect (one line saying what to change), if it can be told."""
+        return await explain(self.target, self.tls)
 
     async def agent_info(self) -> agent_pb2.AgentInfo:
         """Identity, version, platform, RDMA devices and capabilities of the agent."""
@@ -239,7 +244,7 @@ class Client:
             async for message in stream:
                 yield Completion.from_proto(message)
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, rid) from None
+            raise await self.rpc.error(exc, rid) from None
         finally:
             stream.cancel()
 
