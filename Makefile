@@ -1,5 +1,5 @@
 # The project's contract (see README):
-#   make demo   set up from a fresh machine, start the agent, call it via SDK, CLI and grpcurl
+#   make demo   set up from a fresh machine, then the product's story (scripts/demo.sh)
 #   make test   set up, lint, host suites, then the soft-RoCE VM suite (fails if it skipped)
 #   make bench  benchmarks, then the report: bench/REPORT.md, bench/results/report.json
 #   make lint   ruff, ruff format --check, mypy --strict, stale generated-code check, deploy files
@@ -59,7 +59,7 @@ test-vm: venv  ## the RDMA suite inside the soft-RoCE test VM; fails if it skipp
 
 test: lint test-host test-vm  ## everything: set-up, lint, host suites, VM suite
 
-demo: venv  ## start the agent and call it through the SDK, dpuctl and grpcurl
+demo: venv  ## the story: mTLS agent + mosquitto, a volume round trip, compute, events, metrics, tenants
 	@scripts/demo.sh
 
 bench: venv  ## run the benchmarks, then the report (bench/REPORT.md, bench/results/)
