@@ -42,7 +42,7 @@ lint: venv check-proto check-docs lint-deploy  ## ruff + mypy --strict on our co
 lint-deploy: venv  ## deployment files: shellcheck, systemd-analyze, hadolint, kubernetes-validate, ...
 	$(PY) deploy/lint_deploy.py
 
-test-host: venv  ## unit, integration, fault, load, fuzz and crash-torture suites on this machine (RDMA tests skip here, with the reason)
+test-host: venv  ## unit, integration, fault, load, fuzz and crash-torture suites here (tests/vm: one line, they run in test-vm)
 	$(PY) -m pytest tests/unit tests/integration tests/faults tests/fuzz tests/torture tests/vm
 
 test-aarch64: venv  ## unit + tcp integration suites on arm64 under qemu-user (root; ~3 min, ~7 min the first time)
