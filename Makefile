@@ -14,7 +14,7 @@ TESTVM := /usr/bin/python3 deploy/testvm/testvm.py
 LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench
 VM_JUNIT := .testvm/out/junit-vm.xml
 
-.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 vm-fetch demo bench clean
+.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 vm-fetch demo demo-rdma bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
@@ -61,6 +61,9 @@ test: lint test-host test-vm  ## everything: set-up, lint, host suites, VM suite
 
 demo: venv  ## the story: mTLS agent + mosquitto, a volume round trip, compute, events, metrics, tenants
 	@scripts/demo.sh
+
+demo-rdma: venv  ## the same story inside the soft-RoCE test VM, the session over rxe0 (verbs)
+	$(TESTVM) run --env DPU_DEMO_DIR=/tmp/demo --env DPU_DEMO_TRANSPORT=verbs -- scripts/demo.sh
 
 bench: venv  ## run the benchmarks, then the report (bench/REPORT.md, bench/results/)
 	$(PY) -m bench.run

@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
 DEMO=${DPU_DEMO_DIR:-.demo}  # where the PKI, logs, volumes and files go
+# DPU_DEMO_TRANSPORT: the session's transport, auto (verbs where both ends have RDMA) by
+# default; `make demo-rdma` sets verbs and runs this in the soft-RoCE test VM
 START=$(date +%s.%N)
 mkdir -p "$DEMO"
 rm -f "$DEMO/ready"
@@ -68,7 +70,8 @@ GRPCURL_TLS=(-cacert "$PKI/ca.pem" -cert "$PKI/client-demo.pem" -key "$PKI/clien
 # the story through the SDK (scripts/demo_sdk.py: async with host_client.Client(...))
 "$BIN/python" scripts/demo_sdk.py "$TARGET" --broker-port "$BROKER_PORT" \
     --metrics-url "$METRICS_URL" --workdir "$DEMO" \
-    --other-cert "$PKI/client-other.pem" --other-key "$PKI/client-other.key"
+    --other-cert "$PKI/client-other.pem" --other-key "$PKI/client-other.key" \
+    --transport "${DPU_DEMO_TRANSPORT:-auto}"
 
 step "dpuctl --target $TARGET volume list   (the same agent from the command line)"
 "$BIN/dpuctl" --target "$TARGET" volume list | sed 's/^/   /'

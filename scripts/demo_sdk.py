@@ -1,7 +1,7 @@
 """The SDK part of `make demo`: the product's story, each step with what it proves.
 
     demo_sdk.py TARGET --broker-port P --metrics-url URL --workdir DIR \
-        --other-cert PEM --other-key PEM
+        --other-cert PEM --other-key PEM [--transport auto|tcp|verbs]
 
 The caller's TLS files come from $DPU_TLS_CA, $DPU_TLS_CERT, $DPU_TLS_KEY (tenant
 "demo"); --other-cert/--other-key are a second tenant's. Exits 1 if a check fails.
@@ -247,6 +247,7 @@ async def other_tenant(target: str, cert: str, key: str) -> None:
 
 async def story(args: argparse.Namespace) -> None:
     """Each step of the demo, in order."""
+    transport = args.transport
     async with (
         host_client.Client(args.target) as client,
         host_client.EventSubscriber("127.0.0.1", args.broker_port) as events,
@@ -254,7 +255,7 @@ async def story(args: argparse.Namespace) -> None:
         await connect(client, events)
         t = step("open a data-plane session", "the host's buffers are registered with the DPU")
         async with (
-            await client.open_session(transport="auto", label="demo") as session,
+            await client.open_session(transport=transport, label="demo") as session,
             events.completions(session=session.name) as stream,
         ):
             done(t, f"{session.name} over {session.transport}")
@@ -289,6 +290,9 @@ def main() -> int:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--other-cert", required=True)
     parser.add_argument("--other-key", required=True)
+    parser.add_argument(
+        "--transport", default="auto", choices=["auto", "tcp", "verbs"], help="the session's"
+    )
     args = parser.parse_args()
     try:
         asyncio.run(story(args))
