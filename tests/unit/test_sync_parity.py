@@ -71,3 +71,18 @@ async def test_refused_inside_an_event_loop():
         host_client.SyncClient("127.0.0.1:1"),
     ):
         pass
+
+
+@pytest.mark.parametrize(
+    ("kind", "wrapped"),
+    [
+        (host_client.Session, True),  # coroutine methods, async with
+        (host_client.Job, True),  # awaitable: .wait()
+        (host_client.Subscription, True),  # async with, async for
+        (host_client.EventSubscriber, True),
+        (host_client.Buffer, False),  # plain memory: given back as it is
+        (host_client.Completion, False),
+    ],
+)
+def test_what_comes_back_wrapped(kind, wrapped):
+    assert _sync._is_async_type(kind) is wrapped
