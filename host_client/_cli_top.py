@@ -158,7 +158,6 @@ class View:
             if name == "jobs_total" and dict(labels).get("status") != "OK"
         )
         moved = _delta(new, old, "dataplane_bytes_total", direction="*")
-        volume = _delta(new, old, "volume_bytes_total", op="*")
         kinds = {
             kind: {"jobs_per_s": count * per_s, **_quantiles(new, old, kind)}
             for kind, count in sorted(jobs.items())
@@ -174,8 +173,8 @@ class View:
             job_slots=new.get(("job_slots", ()), 0.0),
             failed_jobs_per_s=max(failed, 0.0) * per_s,
             dataplane_errors=sum(_sum(new, "dataplane_errors_total", transport="*").values()),
-            bytes_read_per_s=(moved.get("read", 0.0) + volume.get("read", 0.0)) * per_s,
-            bytes_written_per_s=(moved.get("written", 0.0) + volume.get("write", 0.0)) * per_s,
+            bytes_read_per_s=moved.get("read", 0.0) * per_s,  # the agent READ host memory
+            bytes_written_per_s=moved.get("written", 0.0) * per_s,  # ... and WROTE it
             mqtt_backlog=backlog,
             mqtt_connected=None if connected is None else bool(connected),
         )
