@@ -1,5 +1,5 @@
 # The project's contract (see README):
-#   make demo   set up from a fresh machine, start the agent, call it via SDK, CLI and grpcurl
+#   make demo   set up from a fresh machine, then the product's story (scripts/demo.sh)
 #   make test   set up, lint, host suites, then the soft-RoCE VM suite (fails if it skipped)
 #   make bench  benchmarks, then the report: bench/REPORT.md, bench/results/report.json
 #   make lint   ruff, ruff format --check, mypy --strict, stale generated-code check, deploy files,
@@ -15,7 +15,7 @@ TESTVM := /usr/bin/python3 deploy/testvm/testvm.py
 LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench
 VM_JUNIT := .testvm/out/junit-vm.xml
 
-.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 vm-fetch demo bench clean
+.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 vm-fetch demo demo-rdma bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
@@ -44,7 +44,7 @@ lint: venv check-proto check-docs lint-deploy  ## ruff + mypy --strict on our co
 lint-deploy: venv  ## deployment files: shellcheck, systemd-analyze, hadolint, kubernetes-validate, ...
 	$(PY) deploy/lint_deploy.py
 
-test-host: venv  ## unit, integration, fault, load, fuzz, crash-torture and tcp conformance suites on this machine (RDMA tests skip here, with the reason)
+test-host: venv  ## unit, integration, fault, load, fuzz, crash-torture and tcp conformance suites here (tests/vm: one line, they run in test-vm)
 	$(PY) -m pytest tests/unit tests/integration tests/faults tests/fuzz tests/torture tests/conformance tests/vm
 
 test-aarch64: venv  ## unit + tcp integration suites on arm64 under qemu-user (root; ~3 min, ~7 min the first time)
@@ -61,8 +61,11 @@ test-vm: venv  ## the RDMA suite inside the soft-RoCE test VM; fails if it skipp
 
 test: lint test-host test-vm  ## everything: set-up, lint, host suites, VM suite
 
-demo: venv  ## start the agent and call it through the SDK, dpuctl and grpcurl
+demo: venv  ## the story: mTLS agent + mosquitto, a volume round trip, compute, events, metrics, tenants
 	@scripts/demo.sh
+
+demo-rdma: venv  ## the same story inside the soft-RoCE test VM, the session over rxe0 (verbs)
+	$(TESTVM) run --env DPU_DEMO_DIR=/tmp/demo --env DPU_DEMO_TRANSPORT=verbs -- scripts/demo.sh
 
 bench: venv  ## run the benchmarks, then the report (bench/REPORT.md, bench/results/)
 	$(PY) -m bench.run

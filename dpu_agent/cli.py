@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dpu_agent import __version__, config, logs, server, tls
+from dpu_agent import __version__, config, core_log, logs, server, tls
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"# security: {security.description}")
         return 0
+    core_log.capture()  # gRPC core's lines (failed TLS handshakes) become our records
+    faulthandler.enable(file=sys.stderr)  # the real stderr, not the capture pipe
     logs.configure(cfg.log_level, cfg.log_format)
     try:
         asyncio.run(server.serve(cfg, ready_file=args.ready_file))

@@ -11,7 +11,13 @@ async def main() -> None:
 asyncio.run(main())
 """
 
+import os as _os
 from importlib import metadata as _metadata
+
+# gRPC core prints its own INFO lines to stderr (e.g. a raw "Handshake failed" line next
+# to the SDK's own error that says what to change); keep its errors only, unless the
+# user asked for more.
+_os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from host_client._client import DEFAULT_TARGET, Client, default_target
 from host_client._completion import Completion

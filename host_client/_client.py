@@ -7,9 +7,11 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Final, Literal, Self, TypeVar
 
+import grpc
 from google.protobuf import field_mask_pb2
 from grpc_health.v1 import health_pb2
 
+from dpu_wire import REQUEST_ID_METADATA_KEY
 from dpu_wire.transport.base import TransportError
 from dpu_wire.transport.tcp import TcpHostLink
 from dpu_wire.v1 import (
@@ -20,21 +22,22 @@ from dpu_wire.v1 import (
     storage_pb2,
     virtualization_pb2,
 )
+from host_client._completion import Completion
+from host_client._diagnose import explain
 from host_client._errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
 )
+from host_client._request_ids import for_call
 from host_client._rpc import Rpc, Stubs, _Page
 from host_client._session import TRANSPORT_NUMBERS, Session
 from host_client._tls import TOKEN_ENV, TlsConfig, open_channel
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterable, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
     from types import TracebackType
-
-    import grpc
 
     from dpu_wire.transport.base import HostLink
 
@@ -53,6 +56,11 @@ _COMPRESSIONS: Final = {
 _ENCRYPTIONS: Final = {
     "none": storage_pb2.ENCRYPTION_NONE,
     "aes-xts-256": storage_pb2.ENCRYPTION_AES_XTS_256,
+}
+_ORIGINS: Final = {
+    "any": job_pb2.JOB_ORIGIN_UNSPECIFIED,
+    "capsule": job_pb2.JOB_ORIGIN_CAPSULE,
+    "rpc": job_pb2.JOB_ORIGIN_RPC,
 }
 DEFAULT_TARGET: Final = "127.0.0.1:50051"
 TARGET_ENV: Final = "DPU_TARGET"
@@ -116,7 +124,7 @@ class Client:
         if self._channel is not None:
             raise RuntimeError("Client is already open (it is not re-entrant)")
         self._channel = open_channel(self.target, self.tls, self._token or None, [])
-        self._rpc = Rpc(Stubs.over(self._channel), self.timeout)
+        self._rpc = Rpc(Stubs.over(self._channel), self.timeout, self._explain)
         return self
 
     async def __aexit__(
@@ -148,9 +156,14 @@ class Client:
         try:
             await _with_timeout(self._channel.channel_ready(), timeout)
         except TimeoutError:
+            reason = await self._explain()
             raise UnavailableError(
-                "UNAVAILABLE", f"agent at {self.target} not reachable within {timeout} s"
+                "UNAVAILABLE", reason or f"agent at {self.target} not reachable within {timeout} s"
             ) from None
+
+    async def _explain(self) -> str | None:
+        """Why the channel cannot connect (one line saying what to change), if it can be told."""
+        return await explain(self.target, self.tls)
 
     async def agent_info(self) -> agent_pb2.AgentInfo:
         """Identity, version, platform, RDMA devices and capabilities of the agent."""
@@ -206,6 +219,34 @@ class Client:
             self.stubs.jobs.CancelJob,
             job_pb2.CancelJobRequest(name=name, request_id=uuid.uuid4().hex),
         )
+
+    async def watch_completions(
+        self, session: str, *, include_retained: bool = False, origin: str = "any"
+    ) -> AsyncIterator[Completion]:
+        """The completions of a session's jobs as they finish (the gRPC event stream).
+
+        `origin`: "any", "capsule" (data-plane jobs) or "rpc" (SubmitJob jobs);
+        `include_retained` also sends those that finished before the stream opened and
+        are still retained. It ends when the session closes.
+        """
+        if origin not in _ORIGINS:
+            raise InvalidArgumentError(
+                "INVALID_ARGUMENT", f"origin is one of {', '.join(_ORIGINS)}, not {origin!r}"
+            )
+        rid = for_call()
+        stream = self.stubs.jobs.WatchCompletions(
+            job_pb2.WatchCompletionsRequest(
+                session=session, include_retained=include_retained, origin=_ORIGINS[origin]
+            ),
+            metadata=((REQUEST_ID_METADATA_KEY, rid),),
+        )
+        try:
+            async for message in stream:
+                yield Completion.from_proto(message)
+        except grpc.aio.AioRpcError as exc:
+            raise await self.rpc.error(exc, rid) from None
+        finally:
+            stream.cancel()
 
     async def create_volume(  # noqa: PLR0913 - a volume's settings
         self,

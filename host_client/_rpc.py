@@ -21,7 +21,8 @@ from dpu_wire.v1 import (
     storage_pb2_grpc,
     virtualization_pb2_grpc,
 )
-from host_client._errors import from_rpc_error
+from host_client._diagnose import is_connect_failure
+from host_client._errors import DpuError, UnavailableError, from_rpc_error
 from host_client._request_ids import for_call
 
 if TYPE_CHECKING:
@@ -68,11 +69,34 @@ class Stubs:
 
 
 class Rpc:
-    """Calls on one channel: each with the deadline, a request id, and DpuError on failure."""
+    """Calls on one channel: each with the deadline, a request id, and DpuError on failure.
 
-    def __init__(self, stubs: Stubs, timeout: float | None) -> None:
+    `explain`, if given, is asked why the channel could not connect when a call fails
+    that way; its one line (what to change) replaces gRPC's generic message.
+    """
+
+    def __init__(
+        self,
+        stubs: Stubs,
+        timeout: float | None,
+        explain: Callable[[], Awaitable[str | None]] | None = None,
+    ) -> None:
         self.stubs = stubs
         self.timeout = timeout
+        self._explain = explain
+
+    async def error(self, exc: grpc.aio.AioRpcError, request_id: str) -> DpuError:
+        """The DpuError of a failed call; a failure to connect says why, if it can be told."""
+        error = from_rpc_error(exc, request_id)
+        if (
+            self._explain is not None
+            and exc.code() == grpc.StatusCode.UNAVAILABLE
+            and is_connect_failure(exc.details() or "")
+        ):
+            reason = await self._explain()
+            if reason is not None:
+                return UnavailableError("UNAVAILABLE", reason, error.request_id)
+        return error
 
     async def call(
         self,
@@ -88,7 +112,7 @@ class Rpc:
                 request, timeout=self.timeout, metadata=((REQUEST_ID_METADATA_KEY, rid),)
             )
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, rid) from None
+            raise await self.error(exc, rid) from None
 
     async def all_pages(
         self,

@@ -21,7 +21,14 @@ from google.protobuf import json_format
 
 from dpu_wire.v1 import agent_pb2, job_pb2, session_pb2
 from host_client import __version__ as sdk_version
-from host_client import _cli_certs, _cli_events, _cli_function, _cli_network, _cli_volume
+from host_client import (
+    _cli_certs,
+    _cli_events,
+    _cli_function,
+    _cli_network,
+    _cli_top,
+    _cli_volume,
+)
 from host_client._client import TARGET_ENV, Client, default_target
 from host_client._errors import DpuError, InvalidArgumentError
 from host_client._tls import CA_ENV, CERT_ENV, KEY_ENV, SERVER_NAME_ENV, TOKEN_ENV, TlsConfig
@@ -105,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     _cli_network.add_parser(sub)
     _cli_function.add_parser(sub)
     _cli_certs.add_parser(sub)
+    _cli_top.add_parser(sub)
     job = sub.add_parser("job", help="jobs of a session")
     job_sub = job.add_subparsers(dest="action", required=True, metavar="ACTION")
     job_list = job_sub.add_parser("list", help="open and retained jobs of a session")
@@ -226,6 +234,7 @@ COMMANDS: Final[dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]]
     "port": _cli_network.run_port,
     "flow": _cli_network.run_flow,
     "function": _cli_function.run,
+    "top": _cli_top.run,
 }
 
 

@@ -4,8 +4,11 @@ Run it with::
 
     python3 deploy/testvm/testvm.py run -- .venv/bin/python -m pytest tests/vm
 
-Where there is no RDMA device (the host kernel has no rdma_rxe), the tests that need
-one are skipped with the reason; deploy/testvm/check_junit.py turns such a skip into a
+Outside the VM (no $DPU_TESTVM) these suites are not run: they need rxe0, tc flower,
+nbd and nvmet, which the VM provides. They are deselected, and one line at the end of
+the run says so and how to run them (`make test-vm`); set DPU_TEST_VM_SUITES=1 to run
+them on a host that has all of that. Inside the VM a test whose kernel facility is
+missing skips with the reason, and deploy/testvm/check_junit.py turns any skip into a
 failure of the VM run.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,8 +27,40 @@ PORT = 1
 HOW_TO_RUN = "run it in the soft-RoCE VM: python3 deploy/testvm/testvm.py run -- ..."
 
 
+RUN_HERE_ENV = ("DPU_TESTVM", "DPU_TEST_VM_SUITES")  # either set to 1: collect and run
+SUITE_DIR = Path(__file__).parent
+_NOT_RUN = pytest.StashKey[int]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "rdma: needs an RDMA device (runs in the soft-RoCE test VM)")
+
+
+def _run_here() -> bool:
+    return any(os.environ.get(name) == "1" for name in RUN_HERE_ENV)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Outside the VM: deselect this directory's tests (one summary line, not a skip each)."""
+    if _run_here():
+        return
+    vm_only = [item for item in items if item.path.is_relative_to(SUITE_DIR)]
+    if not vm_only:
+        return
+    config.hook.pytest_deselected(items=vm_only)
+    items[:] = [item for item in items if not item.path.is_relative_to(SUITE_DIR)]
+    config.stash[_NOT_RUN] = len(vm_only)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The one line that says why the VM suites did not run here."""
+    not_run = config.stash.get(_NOT_RUN, 0)
+    if not_run:
+        terminalreporter.write_line(
+            f"tests/vm: {not_run} tests deselected: they need the soft-RoCE test VM (rxe0, "
+            "tc flower, nbd, nvmet); `make test-vm` runs them there "
+            "(DPU_TEST_VM_SUITES=1 runs them on a host that has all of that)"
+        )
 
 
 @dataclass(frozen=True)
