@@ -25,6 +25,8 @@ with the agent):
     job_duration_seconds{kind}                 histogram, submit to completion
     dataplane_bytes_total{direction,transport} bytes the agent READ from (read) and
                                                WROTE to (written) host memory
+    job_bytes_total{kind,direction}            the same bytes by the kind of job that
+                                               moved them
     jobs_in_flight                             gauge: admitted, not finished
     job_slots                                  gauge: queue slots of the open sessions
     sessions_open{transport}                   gauge: sessions the agent holds
@@ -152,6 +154,8 @@ class AgentMetrics(Collector):
         self._seconds = dict.fromkeys(JobKind, 0.0)
         self._read = dict.fromkeys(_TRANSPORTS, 0)
         self._written = dict.fromkeys(_TRANSPORTS, 0)
+        self._kind_read = dict.fromkeys(JobKind, 0)
+        self._kind_written = dict.fromkeys(JobKind, 0)
         self._opened = dict.fromkeys(_TRANSPORTS, 0)
         self._errors = dict.fromkeys(_TRANSPORTS, 0)
         self._closed = dict.fromkeys(CLOSE_REASONS, 0)
@@ -168,14 +172,19 @@ class AgentMetrics(Collector):
         transport = session.transport_kind
         read = written = 0
         table, buckets, seconds_by_kind = self._jobs, self._buckets, self._seconds
+        kind_read, kind_written = self._kind_read, self._kind_written
         for job in jobs:
-            key = (job.kind, job.status)
+            kind = job.kind
+            key = (kind, job.status)
             table[key] = table.get(key, 0) + 1
             seconds = max(0, job.end_ns - job.submit_ns) / 1e9
-            buckets[job.kind][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            seconds_by_kind[job.kind] += seconds
-            read += job.bytes_read
-            written += job.bytes_written
+            buckets[kind][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            seconds_by_kind[kind] += seconds
+            if job.bytes_read or job.bytes_written:
+                read += job.bytes_read
+                written += job.bytes_written
+                kind_read[kind] += job.bytes_read
+                kind_written[kind] += job.bytes_written
         if read or written:
             self._read[transport] = self._read.get(transport, 0) + read
             self._written[transport] = self._written.get(transport, 0) + written
@@ -246,6 +255,14 @@ class AgentMetrics(Collector):
         for direction, table in (("read", self._read), ("written", self._written)):
             for transport, count in sorted(dict(table).items()):
                 moved.add_metric([direction, transport_name(transport)], count)
+        by_kind = CounterMetricFamily(
+            f"{PREFIX}_job_bytes",
+            "Bytes the agent read from and wrote to host memory, by the kind of job",
+            labels=["kind", "direction"],
+        )
+        for direction, by in (("read", self._kind_read), ("written", self._kind_written)):
+            for kind, count in dict(by).items():
+                by_kind.add_metric([JobKind(kind).name.lower(), direction], count)
         opened = _by_transport(f"{PREFIX}_sessions_opened", "Sessions opened", self._opened)
         closed = CounterMetricFamily(
             f"{PREFIX}_sessions_closed",
@@ -265,7 +282,7 @@ class AgentMetrics(Collector):
             "Capsules answered without making a job (undecodable, duplicate or reserved id)",
             self._rejected,
         )
-        return [info, jobs, duration, moved, opened, closed, errors, rejected]
+        return [info, jobs, duration, moved, by_kind, opened, closed, errors, rejected]
 
 
 def _by_transport(name: str, text: str, table: dict[int, int]) -> CounterMetricFamily:

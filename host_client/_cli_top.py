@@ -158,8 +158,13 @@ class View:
             if name == "jobs_total" and dict(labels).get("status") != "OK"
         )
         moved = _delta(new, old, "dataplane_bytes_total", direction="*")
+        kind_bytes = _delta(new, old, "job_bytes_total", kind="*")  # read + written
         kinds = {
-            kind: {"jobs_per_s": count * per_s, **_quantiles(new, old, kind)}
+            kind: {
+                "jobs_per_s": count * per_s,
+                "bytes_per_s": kind_bytes.get(kind, 0.0) * per_s,
+                **_quantiles(new, old, kind),
+            }
             for kind, count in sorted(jobs.items())
         }
         backlog = new.get(("mqtt_backlog", ()))
@@ -194,13 +199,13 @@ class View:
                 f"MQTT {_mqtt(self.mqtt_connected, self.mqtt_backlog)}"
             ),
             "",
-            f"{'KIND':<14}{'JOBS/S':>10}{'P50':>10}{'P90':>10}{'P99':>10}",
+            f"{'KIND':<14}{'JOBS/S':>10}{'MIB/S':>10}{'P50':>10}{'P90':>10}{'P99':>10}",
         ]
         for kind, row in self.kinds.items():
             if row["jobs_per_s"] == 0:
                 continue
             lines.append(
-                f"{kind:<14}{row['jobs_per_s']:>10.1f}"
+                f"{kind:<14}{row['jobs_per_s']:>10.1f}{row['bytes_per_s'] / (1 << 20):>10.1f}"
                 + "".join(f"{_ms(row[q]):>10}" for q in ("p50", "p90", "p99"))
             )
         if all(row["jobs_per_s"] == 0 for row in self.kinds.values()):

@@ -68,6 +68,8 @@ def test_once_json_shows_the_load(agent, load):  # noqa: ARG001 - load runs mean
     assert view["kinds"]["copy"]["jobs_per_s"] > 0
     assert view["kinds"]["copy"]["p50"] is not None
     assert view["bytes_read_per_s"] > 0
+    assert view["kinds"]["copy"]["bytes_per_s"] > 0
+    assert view["kinds"]["crc32c"]["bytes_per_s"] > 0
     assert view["failed_jobs_per_s"] == 0
     assert view["mqtt_connected"] is None  # no broker configured
 
@@ -131,7 +133,8 @@ def test_the_live_view_in_a_real_terminal(agent, load):  # noqa: ARG001 - load r
         rows = {line.split()[0]: line.split() for line in shown.splitlines() if line.strip()}
         assert float(rows["crc32c"][1]) > 0, shown
         assert float(rows["copy"][1]) > 0, shown
-        assert rows["copy"][2].startswith("<="), shown
+        assert float(rows["copy"][2]) > 0, shown  # MiB/s of the copies
+        assert rows["copy"][3].startswith("<="), shown
         # it redraws: the clock in the first line moves on
         assert len({s.splitlines()[0] for s in screens if s.strip()}) > 1
     finally:

@@ -81,6 +81,11 @@ def test_finished_jobs_are_counted_by_kind_status_latency_and_bytes():
     assert value(m, moved, direction="read", transport="tcp") == 2 * 4096 + 100
     assert value(m, moved, direction="written", transport="tcp") == 2 * 4096
     assert value(m, moved, direction="read", transport="verbs") == 0
+    by_kind = "dpu_agent_job_bytes_total"
+    read_by_kind = [value(m, by_kind, kind=k, direction="read") for k in ("copy", "crc32c")]
+    assert read_by_kind == [2 * 4096, 100]
+    assert value(m, by_kind, kind="copy", direction="written") == 2 * 4096
+    assert value(m, by_kind, kind="volume_write", direction="read") == 0
 
 
 def test_counters_do_not_wrap_at_64_bits():
