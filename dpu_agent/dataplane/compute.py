@@ -77,26 +77,46 @@ class Transform(abc.ABC):
 
     @abc.abstractmethod
     def finish(self, step: int) -> bytes:
-        """The output after the last input (at most `step` bytes; call until b"")."""
+        """The output after the last input (a decoder: at most `step` bytes); call until b""."""
 
 
-class _Compress(Transform):
-    """One frame whose header records the input's size (`total`), as one-shot APIs write."""
+class _Encoder(Transform):
+    """An encoder: output that starts with `head` and ends with `_tail()`.
 
-    def __init__(self, codec: str, total: int) -> None:
-        self._codec = codec
-        self._head = b""  # the LZ4 frame header, given with the first output
+    The head comes with the first output; the tail (a few bytes) once, from `finish`.
+    """
+
+    def __init__(self, head: bytes) -> None:
+        self._head = head
         self._finished = False
-        if codec == "lz4":
-            self._lz4 = lz4.frame.LZ4FrameCompressor()
-            self._head = self._lz4.begin(source_size=total)
-        else:
-            self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=total)
 
     def _with_head(self, out: bytes) -> bytes:
         if self._head:
             out, self._head = self._head + out, b""
         return out
+
+    @abc.abstractmethod
+    def _tail(self) -> bytes:
+        """What the encoder holds back until the input ends."""
+
+    def finish(self, step: int) -> bytes:  # noqa: ARG002 - the tail is a few bytes
+        if self._finished:
+            return b""
+        self._finished = True
+        return self._with_head(self._tail())
+
+
+class _Compress(_Encoder):
+    """One frame whose header records the input's size (`total`), as one-shot APIs write."""
+
+    def __init__(self, codec: str, total: int) -> None:
+        self._codec = codec
+        if codec == "lz4":
+            self._lz4 = lz4.frame.LZ4FrameCompressor()
+            super().__init__(self._lz4.begin(source_size=total))  # the LZ4 frame header
+        else:
+            self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=total)
+            super().__init__(b"")
 
     def feed(self, data: bytes | memoryview, step: int) -> bytes:  # noqa: ARG002 - see feed
         if not data:
@@ -105,11 +125,8 @@ class _Compress(Transform):
             return self._with_head(self._lz4.compress(data))
         return bytes(self._zstd.compress(data))
 
-    def finish(self, step: int) -> bytes:  # noqa: ARG002 - the tail is a few bytes
-        if self._finished:
-            return b""
-        self._finished = True
-        return self._with_head(self._lz4.flush() if self._codec == "lz4" else self._zstd.flush())
+    def _tail(self) -> bytes:
+        return bytes(self._lz4.flush() if self._codec == "lz4" else self._zstd.flush())
 
 
 class _Decompress(Transform):
@@ -142,25 +159,17 @@ class _Decompress(Transform):
         return b""
 
 
-class _Encrypt(Transform):
+class _Encrypt(_Encoder):
     def __init__(self, key: bytes) -> None:
-        self._nonce = os.urandom(NONCE_BYTES)  # given with the first output
-        self._enc = Cipher(algorithms.AES(check_key(key)), modes.GCM(self._nonce)).encryptor()
-        self._finished = False
-
-    def _with_nonce(self, out: bytes) -> bytes:
-        if self._nonce:
-            out, self._nonce = self._nonce + out, b""
-        return out
+        nonce = os.urandom(NONCE_BYTES)
+        self._enc = Cipher(algorithms.AES(check_key(key)), modes.GCM(nonce)).encryptor()
+        super().__init__(nonce)
 
     def feed(self, data: bytes | memoryview, step: int) -> bytes:  # noqa: ARG002 - see feed
-        return self._with_nonce(self._enc.update(data))
+        return self._with_head(self._enc.update(data))
 
-    def finish(self, step: int) -> bytes:  # noqa: ARG002 - the tail is 16 bytes
-        if self._finished:
-            return b""
-        self._finished = True
-        return self._with_nonce(self._enc.finalize() + self._enc.tag)
+    def _tail(self) -> bytes:
+        return self._enc.finalize() + self._enc.tag
 
 
 class _Decrypt(Transform):

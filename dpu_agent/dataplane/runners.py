@@ -176,9 +176,17 @@ def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> 
     held = 0  # output bytes in outbuf, not yet written
     written = 0
 
+    def drain(*, last: bool) -> Runner:
+        """WRITE what outbuf holds."""
+        nonlocal held, written
+        yield Write(outbuf, 0, held, dst.addr + written, dst.rkey, last)
+        written += held
+        job.bytes_written = written
+        held = 0
+
     def put(data: bytes) -> Runner:
         """Copy `data` into outbuf, WRITING each time it fills."""
-        nonlocal held, written
+        nonlocal held
         if written + held + len(data) > dst.length:
             raise InvalidArgument(
                 f"{job.row.field}: the output does not fit the destination ({dst.length} bytes)"
@@ -190,10 +198,7 @@ def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> 
             held += take
             view = view[take:]
             if held == step:
-                yield Write(outbuf, 0, held, dst.addr + written, dst.rkey, False)
-                written += held
-                job.bytes_written = written
-                held = 0
+                yield from drain(last=False)
 
     for offset, size in _chunks(src.length, inbuf.size):
         yield Read(inbuf, 0, size, src.addr + offset, src.rkey)
@@ -205,9 +210,7 @@ def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> 
     while tail := (yield Work(_bind(kernel.finish, step))):
         yield from put(tail)
     if held:
-        yield Write(outbuf, 0, held, dst.addr + written, dst.rkey, True)
-        written += held
-        job.bytes_written = written
+        yield from drain(last=True)
     job.result = written
 
 
