@@ -30,12 +30,17 @@ async def until(
         raise AssertionError(f"timed out after {within} s waiting for: {what}") from None
 
 
-def rss_bytes(pid: int) -> int:
-    """VmRSS of a process, in bytes (from /proc/PID/status)."""
+def status_bytes(pid: int, field: str) -> int:
+    """A memory field of /proc/PID/status (VmRSS, VmHWM, ...), in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise AssertionError(f"/proc/{pid}/status has no VmRSS line")
+    raise AssertionError(f"/proc/{pid}/status has no {field} line")
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of a process, in bytes."""
+    return status_bytes(pid, "VmRSS")
 
 
 async def session_names(client: host_client.Client) -> set[str]:

@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import host_client
 from dpu_wire.v1 import job_pb2
+from tests.faults.common import rss_bytes, status_bytes
 
 pytestmark = pytest.mark.asyncio
 
@@ -106,13 +107,6 @@ async def test_bad_key_sizes_are_refused_without_the_key_in_the_error(session):
     assert "\\x07" not in str(info.value)
 
 
-def _status_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"/proc/{pid}/status has no {field}")
-
-
 def _reset_peak_rss(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
 
@@ -132,14 +126,14 @@ async def test_decompression_bombs_hold_bounded_agent_memory(agent, session):
         out.view[:1] = b"\x01"  # a byte the job must overwrite
     pid = agent.proc.pid
     _reset_peak_rss(pid)
-    before = _status_kib(pid, "VmRSS")
+    before = rss_bytes(pid)
     done = await asyncio.gather(
         *(session.compute("decompress", src, out, parameter="zstd") for out in outs)
     )
-    peak = _status_kib(pid, "VmHWM")
+    peak = status_bytes(pid, "VmHWM")
     assert [d.bytes_written for d in done] == [size] * 4
     assert all(out.view[:1] == b"\x00" and out.view[-1:] == b"\x00" for out in outs)
-    grew_mib = (peak - before) / 1024
+    grew_mib = (peak - before) / MiB
     print(f"agent peak RSS growth for four 64 MiB bombs: {grew_mib:.1f} MiB")  # noqa: T201
     assert grew_mib < 48, f"the agent's peak RSS grew {grew_mib:.0f} MiB for four bombs"
     with pytest.raises(host_client.InvalidArgumentError, match="does not fit the destination"):
