@@ -32,6 +32,8 @@ Example file (every key optional):
     tcp_allow = "peer"            # where the tcp data plane may dial: the gRPC caller's
                                   # own address ("peer"), and/or networks ("10.0.0.0/8")
     op_timeout = 30.0             # seconds a tcp host may leave a READ/WRITE unanswered
+    inline_max = 4096             # tcp: the largest job source a SUBMIT may carry inline
+                                  # (0-16384; 0 = none; verbs sessions take none)
 
     [storage]
     backend = "file"              # file (a pool file + metadata log; survives crashes) or memory
@@ -108,6 +110,7 @@ from typing import TYPE_CHECKING, Any, Final
 from dpu_agent import logs, tomltext
 from dpu_agent.dataplane import hostpolicy
 from dpu_wire import names
+from dpu_wire.capsule import MAX_INLINE
 from dpu_wire.events import TopicError, check_prefix
 
 if TYPE_CHECKING:
@@ -152,6 +155,7 @@ class AgentConfig:
     io_workers: int = 16
     tcp_allow: str = "peer"
     op_timeout: float = 30.0
+    inline_max: int = 4096
     storage_backend: str = "file"
     storage_dir: str = ""
     network_backend: str = "none"
@@ -482,6 +486,14 @@ SETTINGS: Final = (
         "DPU_AGENT_OP_TIMEOUT",
         _seconds(1, 3600),
         "seconds a tcp host may leave a READ/WRITE unanswered",
+    ),
+    Setting(
+        "dataplane",
+        "inline_max",
+        "inline_max",
+        "DPU_AGENT_INLINE_MAX",
+        _integer(1, MAX_INLINE, "none"),
+        "tcp: the largest job source a SUBMIT may carry inline (0: none)",
     ),
     Setting(
         "storage",

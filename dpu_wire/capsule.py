@@ -11,13 +11,14 @@ same 16-byte header:
     4      4    length      total capsule length in bytes, header included
     8      8    job_id      chosen by the host, unique among its session's open jobs
 
-SUBMIT (80 bytes):
+SUBMIT (80 bytes; with INLINE, 80 + source.length: the source's bytes follow):
 
     16     2    kind        1 COPY, 2 CRC32C, 3 VOLUME_WRITE, 4 VOLUME_READ,
                             5 VOLUME_FLUSH, 6 VOLUME_TRIM, 7 SHA256, 8 COMPRESS,
                             9 DECOMPRESS, 10 ENCRYPT (AES-GCM), 11 DECRYPT
     18     2    flags       bit 0 FUA (VOLUME_WRITE only: durable before completion);
-                            other bits reserved, non-zero is rejected
+                            bit 1 INLINE (kinds with a source: its bytes follow, the
+                            span's addr and rkey are 0); other bits reserved, rejected
     20     4    deadline_ms time allowed from receipt to completion, 0 = agent default
     24     16   source      span: addr u64, length u32, rkey u32 (host memory READ)
     40     16   destination span (host memory WRITTEN; zero for kinds without output)
@@ -55,7 +56,7 @@ import enum
 import struct
 from typing import Final, NamedTuple
 
-from dpu_wire.jobkinds import FLAG_FUA, KINDS, VOLUME_KINDS, JobKind
+from dpu_wire.jobkinds import FLAG_FUA, FLAG_INLINE, KINDS, VOLUME_KINDS, JobKind
 
 __all__ = [
     "AGENT_JOB_ID_BASE",
@@ -63,9 +64,11 @@ __all__ = [
     "COMPLETION_BODY",
     "COMPLETION_FIXED",
     "FLAG_FUA",
+    "FLAG_INLINE",
     "HEADER",
     "MAGIC",
     "MAX_CAPSULE",
+    "MAX_INLINE",
     "MAX_MESSAGE",
     "SUBMIT_BODY",
     "SUBMIT_SIZE",
@@ -99,6 +102,8 @@ CANCEL_SIZE: Final = HEADER.size
 COMPLETION_FIXED: Final = HEADER.size + COMPLETION_BODY.size
 MAX_MESSAGE: Final = 176
 MAX_CAPSULE: Final = COMPLETION_FIXED + MAX_MESSAGE  # 256: the size of every receive buffer
+MAX_INLINE: Final = 16384
+"""The most an agent may offer as a session's `inline_max` (docs/data-plane.md 2.8)."""
 AGENT_JOB_ID_BASE: Final = 1 << 63
 """Job ids from here up are the agent's (jobs it received through SubmitJob); hosts
 number their capsule jobs below it."""
@@ -169,19 +174,23 @@ class Submit:
     handle: int = 0
     length: int = 0
     flags: int = 0
+    inline: bytes = b""  # with FLAG_INLINE: the source's bytes, sent after the 80
 
     def encode(self) -> bytes:
-        """The 80-byte SUBMIT capsule."""
-        return pack_submit(
-            self.job_id,
-            self.kind,
-            self.source,
-            self.destination,
-            deadline_ms=self.deadline_ms,
-            offset=self.offset,
-            handle=self.handle,
-            length=self.length,
-            flags=self.flags,
+        """The SUBMIT capsule: 80 bytes, then the inline source if there is one."""
+        return (
+            pack_submit(
+                self.job_id,
+                self.kind,
+                self.source,
+                self.destination,
+                deadline_ms=self.deadline_ms,
+                offset=self.offset,
+                handle=self.handle,
+                length=self.length,
+                flags=self.flags,
+            )
+            + self.inline
         )
 
 
@@ -246,10 +255,15 @@ def pack_submit(  # noqa: PLR0913 - the SUBMIT's fields
     length: int = 0,
     flags: int = 0,
 ) -> bytes:
-    """The 80-byte SUBMIT capsule; ValueError names a field that does not fit."""
+    """The 80-byte SUBMIT capsule; ValueError names a field that does not fit.
+
+    With FLAG_INLINE the header's length counts the `source.length` bytes that the
+    caller sends right behind these 80.
+    """
+    size = SUBMIT_SIZE + source[1] if flags & FLAG_INLINE else SUBMIT_SIZE
     try:
         return _SUBMIT.pack(
-            MAGIC, VERSION, Opcode.SUBMIT, SUBMIT_SIZE, job_id,
+            MAGIC, VERSION, Opcode.SUBMIT, size, job_id,
             kind, flags, deadline_ms,
             source[0], source[1], source[2],
             destination[0], destination[1], destination[2],
@@ -347,17 +361,26 @@ def peek_header(data: bytes | bytearray | memoryview) -> tuple[int, int]:
 
 
 def submit_fields(data: bytes | bytearray | memoryview) -> SubmitFields:
-    """The fields of a SUBMIT capsule (header already known valid), or CapsuleError."""
-    if len(data) != SUBMIT_SIZE:
+    """The fields of a SUBMIT capsule (header already known valid), or CapsuleError.
+
+    A SUBMIT is 80 bytes, or 80 + source.length with FLAG_INLINE (the inline source is
+    `data[SUBMIT_SIZE:]`).
+    """
+    size = len(data)
+    if size < SUBMIT_SIZE:
         job_id = HEADER.unpack_from(data)[4]
-        raise CapsuleError(f"SUBMIT capsule must be {SUBMIT_SIZE} bytes, not {len(data)}", job_id)
+        raise CapsuleError(f"SUBMIT capsule must be {SUBMIT_SIZE} bytes, not {size}", job_id)
     f = _SUBMIT.unpack_from(data)
     job_id, kind, flags = f[4], f[5], f[6]
+    expected = SUBMIT_SIZE + f[9] if flags & FLAG_INLINE else SUBMIT_SIZE
+    if size != expected:
+        what = "80 + source.length (INLINE)" if flags & FLAG_INLINE else str(SUBMIT_SIZE)
+        raise CapsuleError(f"SUBMIT capsule must be {what} bytes, not {size}", job_id)
     row = KINDS.get(kind)
     if row is None:
         raise CapsuleError(f"unknown job kind {kind}", job_id)
-    if flags & ~row.flags:
-        raise CapsuleError(f"reserved flags are set ({flags & ~row.flags:#x})", job_id)
+    if flags & ~row.accepted_flags:
+        raise CapsuleError(f"reserved flags are set ({flags & ~row.accepted_flags:#x})", job_id)
     if f[16]:
         raise CapsuleError("the reserved field at offset 68 is not zero", job_id)
     return f[4:16] + f[17:]
@@ -401,6 +424,7 @@ def decode(data: bytes | bytearray | memoryview) -> Capsule:
             handle=f[11],
             length=f[12],
             flags=f[2],
+            inline=bytes(data[SUBMIT_SIZE:]),
         )
     if opcode == Opcode.CANCEL:
         if len(data) != CANCEL_SIZE:

@@ -14,7 +14,8 @@ A row says, for one kind:
   volume, a codec, or a registered key.
 - `offset` / `length`: whether the SUBMIT's `offset` (a byte offset in the volume) and
   `length` (bytes to trim) fields are used; unused ones must be 0.
-- `flags`: the SUBMIT flag bits the kind accepts (FUA for VOLUME_WRITE only).
+- `flags`: the SUBMIT flag bits of the kind's own (FUA for VOLUME_WRITE only); every kind
+  that reads a source also takes INLINE (`accepted_flags`).
 - `result`: what the completion's `result` carries.
 - `compute`: CPU-heavy work the agent runs on worker threads, overlapped with I/O.
 """
@@ -61,6 +62,8 @@ class Result(enum.Enum):
 
 FLAG_FUA: Final = 0x0001
 """SUBMIT flag: a VOLUME_WRITE is on stable storage before its completion."""
+FLAG_INLINE: Final = 0x0002
+"""SUBMIT flag: the source's bytes follow the 80-byte SUBMIT (docs/data-plane.md 2.8)."""
 
 SHA256_BYTES: Final = 32
 
@@ -84,6 +87,11 @@ class Kind:
     compute: bool = False
     same_length: bool = False  # destination.length must equal source.length
     min_destination: int = 1  # the least destination.length (when it has one)
+
+    @property
+    def accepted_flags(self) -> int:
+        """The SUBMIT flag bits this kind takes: its own, and INLINE if it reads a source."""
+        return self.flags | (FLAG_INLINE if self.source else 0)
 
     @property
     def volume(self) -> bool:

@@ -509,6 +509,7 @@ class Client:
         rdma_device: str | None = None,
         request_id: str | None = None,
         poll_spin: float = DEFAULT_SPIN_S,
+        inline: bool = True,
     ) -> Session:
         """Open a data-plane session; use it as `async with await client.open_session():`.
 
@@ -519,7 +520,9 @@ class Client:
         is the OpenSession call's id (and idempotency key); the completion events of
         the session's capsule jobs carry it (`Session.request_id`). `poll_spin`
         (verbs): seconds the session keeps polling for completions after the last
-        activity before it sleeps on the completion channel (0: never poll).
+        activity before it sleeps on the completion channel (0: never poll). `inline`:
+        send a job's source inside its SUBMIT when the agent offers it and the source
+        fits (`Session.inline_max`; tcp), instead of leaving it for the agent to READ.
         """
         if transport not in TRANSPORT_NUMBERS:
             choices = ", ".join(TRANSPORT_NUMBERS)
@@ -535,7 +538,7 @@ class Client:
         if not 0 <= poll_spin <= 1:
             raise InvalidArgumentError("INVALID_ARGUMENT", "poll_spin must be 0 to 1 s")
         host = _host_link(transport, data_host, rdma_device, queue_depth, poll_spin)
-        session = Session(self.rpc, host, queue_depth)
+        session = Session(self.rpc, host, queue_depth, inline=inline)
         try:
             await session._open(TRANSPORT_NUMBERS[transport], label, request_id)  # noqa: SLF001
         except BaseException:

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Final, Self
 import grpc
 
 from dpu_wire import REQUEST_ID_METADATA_KEY, capsule, endpoints
-from dpu_wire.capsule import ZERO_SPAN, Span
+from dpu_wire.capsule import FLAG_INLINE, ZERO_SPAN, Span
 from dpu_wire.jobkinds import BY_FIELD, CODECS, COMPUTE_KINDS, FLAG_FUA, KINDS, JobKind, Result
-from dpu_wire.transport.base import Access, TransportError
+from dpu_wire.transport.base import Access, OutCapsule, TransportError
 from dpu_wire.v1 import agent_pb2, common_pb2, job_pb2, session_pb2
 from host_client._completion import Completion
 from host_client._errors import (
@@ -176,10 +176,13 @@ def _deadline_ms(deadline: float | None) -> int:
 class Session:
     """One data-plane session with the agent. Make it with `Client.open_session`."""
 
-    def __init__(self, rpc: Rpc, link: HostLink, queue_depth: int) -> None:
+    def __init__(self, rpc: Rpc, link: HostLink, queue_depth: int, *, inline: bool = True) -> None:
         self._rpc = rpc
         self._link = link
         self.queue_depth = queue_depth
+        self._inline = inline
+        # the largest source sent inside a SUBMIT (the agent's offer; 0 if off or none)
+        self.inline_max = 0
         self.name = ""
         self.transport = ""
         self.request_id = ""  # the OpenSession call's x-request-id
@@ -214,6 +217,7 @@ class Session:
         )
         self.name = reply.name
         self.transport = TRANSPORT_NAMES.get(reply.transport, str(reply.transport))
+        self.inline_max = min(reply.inline_max, capsule.MAX_INLINE) if self._inline else 0
         try:
             await self._link.connect(endpoints.from_proto(reply.agent_endpoint))
         except TransportError as exc:
@@ -405,8 +409,9 @@ class Session:
         self._require_usable()
         loop = asyncio.get_running_loop()
         jobs: list[Job] = []
-        batch: list[bytes] = []
+        batch: list[OutCapsule] = []
         slots, pending = self._credits, self._pending
+        inline_max = self.inline_max
         for request in requests:
             if slots.locked() and batch:
                 self._send(batch)
@@ -418,20 +423,24 @@ class Session:
             job_id = next(self._ids)
             future: asyncio.Future[Completion] = loop.create_future()
             pending[job_id] = (future, KINDS[request.kind].result is Result.CRC32C)
+            source, flags, inline = request.source, request.flags, None
+            if 0 < source[1] <= inline_max and KINDS[request.kind].source:
+                inline = self._link.local_view(source)  # None: the agent refuses the span
+                if inline is not None:
+                    source, flags = Span(0, source[1], 0), flags | FLAG_INLINE
             try:
-                batch.append(
-                    capsule.pack_submit(
-                        job_id,
-                        request.kind,
-                        request.source,
-                        request.destination,
-                        deadline_ms=request.deadline_ms,
-                        offset=request.offset,
-                        handle=request.handle,
-                        length=request.length,
-                        flags=request.flags,
-                    )
+                submit = capsule.pack_submit(
+                    job_id,
+                    request.kind,
+                    source,
+                    request.destination,
+                    deadline_ms=request.deadline_ms,
+                    offset=request.offset,
+                    handle=request.handle,
+                    length=request.length,
+                    flags=flags,
                 )
+                batch.append(submit if inline is None else (submit, inline))
             except ValueError as exc:
                 del pending[job_id]
                 slots.release()
@@ -441,7 +450,7 @@ class Session:
             self._send(batch)
         return jobs
 
-    def _send(self, capsules: Sequence[bytes]) -> None:
+    def _send(self, capsules: Sequence[OutCapsule]) -> None:
         try:
             self._link.send(capsules)
         except TransportError as exc:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from dpu_agent.dataplane.jobs import JobRecord
 from dpu_agent.errors import InvalidArgument
 from dpu_wire.capsule import ZERO_SPAN, Span
-from dpu_wire.jobkinds import CODECS, FLAG_FUA, KINDS, Handle
+from dpu_wire.jobkinds import CODECS, FLAG_FUA, FLAG_INLINE, KINDS, Handle
 from dpu_wire.transport.base import Access
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ class JobRequest(NamedTuple):
     handle: int = 0
     length: int = 0
     flags: int = 0
+    inline: bytes = b""  # FLAG_INLINE: the source's bytes, carried by the SUBMIT
 
 
 class AdmissionContext(Protocol):
@@ -53,6 +54,10 @@ class AdmissionContext(Protocol):
     @property
     def default_deadline(self) -> float:
         """Seconds a job gets when it names no deadline."""
+
+    @property
+    def inline_max(self) -> int:
+        """The largest source a SUBMIT of this session may carry inline (0: none)."""
 
     def check_accepting(self) -> None:
         """FailedPrecondition unless ACTIVE; Unavailable while the agent drains."""
@@ -85,7 +90,7 @@ def admit(  # noqa: PLR0913 - the request and where it came from
     kind = row.kind
     _check_unused(row, request)
     volume_id = _volume(ctx, row, request)
-    _check_spans(ctx.regions, row, request)
+    _check_spans(ctx, row, request)
     key = _handle(ctx, row, request)
     deadline = request.deadline or ctx.default_deadline
     return JobRecord(
@@ -104,6 +109,7 @@ def admit(  # noqa: PLR0913 - the request and where it came from
         parameter=request.handle,
         key=key,
         submit_ns=submit_ns,
+        inline=request.inline,
     )
 
 
@@ -126,9 +132,12 @@ def _volume(ctx: AdmissionContext, row: Kind, request: JobRequest) -> str:
     return found
 
 
-def _check_spans(regions: RegionTable, row: Kind, request: JobRequest) -> None:
+def _check_spans(ctx: AdmissionContext, row: Kind, request: JobRequest) -> None:
     what = row.field
-    if row.source:
+    regions = ctx.regions
+    if request.flags & FLAG_INLINE:  # only kinds with a source take it (the codec checked)
+        _check_inline(ctx.inline_max, request)
+    elif row.source:
         regions.check_span(request.source, Access.REMOTE_READ, "source")
     elif request.source != ZERO_SPAN:
         raise InvalidArgument(f"{what}: takes no source")
@@ -143,6 +152,21 @@ def _check_spans(regions: RegionTable, row: Kind, request: JobRequest) -> None:
         )
     if row.destination and request.destination.length < row.min_destination:
         raise InvalidArgument(f"{what}: the destination must hold {row.min_destination} bytes")
+
+
+def _check_inline(inline_max: int, request: JobRequest) -> None:
+    """An INLINE source: addr and rkey 0, 1..inline_max bytes (data-plane.md 2.8)."""
+    source = request.source
+    if source.addr or source.rkey:
+        raise InvalidArgument("source: an inline source has addr and rkey 0")
+    if not inline_max:
+        raise InvalidArgument("source: this session takes no inline data (inline_max 0)")
+    if not 1 <= source.length <= inline_max:
+        raise InvalidArgument(
+            f"source: an inline source is 1..{inline_max} bytes, not {source.length}"
+        )
+    if len(request.inline) != source.length:  # the codec checked it for capsules
+        raise InvalidArgument("source: the inline bytes do not match source.length")
 
 
 def _handle(ctx: AdmissionContext, row: Kind, request: JobRequest) -> bytes:

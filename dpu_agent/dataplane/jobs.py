@@ -60,6 +60,7 @@ class JobRecord:
         "done",
         "end_ns",
         "fua",
+        "inline",
         "job_id",
         "key",
         "kind",
@@ -98,6 +99,7 @@ class JobRecord:
         parameter: int = 0,
         key: bytes = b"",
         submit_ns: int = 0,
+        inline: bytes = b"",
     ) -> None:
         self.job_id = job_id
         self.kind = kind
@@ -116,6 +118,7 @@ class JobRecord:
         self.fua = fua  # VOLUME_WRITE: durable before the completion
         self.parameter = parameter  # COMPRESS/DECOMPRESS: the codec; ENCRYPT/DECRYPT: key handle
         self.key = key  # ENCRYPT/DECRYPT; never shown
+        self.inline = inline  # an INLINE SUBMIT's source bytes (b"": the source is READ)
         self.submit_ns = submit_ns or time.time_ns()
         self.state = JobState.QUEUED
         self.start_ns = 0
@@ -146,6 +149,7 @@ class JobRecord:
         self.status = code
         self.message = message
         self.end_ns = time.time_ns()
+        self.inline = b""  # a retained job keeps no source bytes
         if state != State.SUCCEEDED:
             self.result = 0
         return True

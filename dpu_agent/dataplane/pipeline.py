@@ -25,10 +25,10 @@ from dpu_agent import status
 from dpu_agent.dataplane.admission import JobRequest, admit
 from dpu_agent.dataplane.jobs import JobRecord, Origin
 from dpu_agent.dataplane.runners import RUNNERS, Io, Read, Sleep, Work, Write, buffers_needed
-from dpu_agent.errors import AgentError, DeadlineExceeded, ResourceExhausted
+from dpu_agent.errors import AgentError, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from dpu_wire import capsule
 from dpu_wire.capsule import CapsuleError, Opcode, Span, State
-from dpu_wire.jobkinds import JobKind
+from dpu_wire.jobkinds import FLAG_INLINE, JobKind
 from dpu_wire.transport.base import LinkSink, TransportError
 
 if TYPE_CHECKING:
@@ -171,6 +171,11 @@ class Pipeline(LinkSink):
 
     # ------------------------------------------------------------ AdmissionContext
 
+    @property
+    def inline_max(self) -> int:
+        """The largest source a SUBMIT may carry inline: what the link can receive."""
+        return self.link.inline_max
+
     def check_accepting(self) -> None:
         """See `SessionHooks.check_accepting`."""
         self._hooks.check_accepting()
@@ -196,7 +201,7 @@ class Pipeline(LinkSink):
     def _dispatch(self, data: memoryview, now_ns: int) -> None:
         opcode, job_id = capsule.peek_header(data)
         if opcode == Opcode.SUBMIT:
-            self._on_submit(capsule.submit_fields(data), now_ns)
+            self._on_submit(capsule.submit_fields(data), data, now_ns)
         elif opcode == Opcode.CANCEL:
             if len(data) != capsule.CANCEL_SIZE:
                 raise CapsuleError(
@@ -209,7 +214,7 @@ class Pipeline(LinkSink):
         else:
             raise CapsuleError(f"unknown opcode {opcode}", job_id)
 
-    def _on_submit(self, f: capsule.SubmitFields, now_ns: int) -> None:
+    def _on_submit(self, f: capsule.SubmitFields, data: memoryview, now_ns: int) -> None:
         job_id = f[0]
         if job_id >= capsule.AGENT_JOB_ID_BASE:
             self._reject(job_id, "job ids >= 2**63 are the agent's", now_ns)
@@ -217,9 +222,10 @@ class Pipeline(LinkSink):
         if job_id in self.open:
             self._reject(job_id, f"job id {job_id} is in use", now_ns)
             return
+        inline = bytes(data[capsule.SUBMIT_SIZE :]) if f[2] & FLAG_INLINE else b""
         request = JobRequest(
             job_id, f[1], Span(f[4], f[5], f[6]), Span(f[7], f[8], f[9]),
-            f[3] / 1000, f[10], f[11], f[12], f[2],
+            f[3] / 1000, f[10], f[11], f[12], f[2], inline,
         )  # fmt: skip
         try:
             job = admit(
@@ -379,6 +385,8 @@ class Pipeline(LinkSink):
         kind = type(op)
         link = self.link
         if kind is Read:
+            if run.job.inline:
+                return False, None, _read_inline(run.job.inline, op)  # type: ignore[arg-type]
             b = op.buffer  # type: ignore[union-attr]
             link.post_read(b.region, b.offset + op.offset, op.length, op.addr, op.rkey, run.token)  # type: ignore[union-attr]
             run.pending += 1
@@ -605,3 +613,17 @@ class Pipeline(LinkSink):
         # Never inside a call from the link (a failure is often reported from its poll):
         # the link is closed on the reactor's next pass, with nothing of it on the stack.
         self._reactor.call(finish)
+
+
+def _read_inline(inline: bytes, op: Read) -> BaseException | None:
+    """A READ of an INLINE SUBMIT's source: copied from the capsule, no operation sent.
+
+    The span's addr is an offset in the inline bytes (the SUBMIT's source.addr is 0).
+    """
+    n = op.length
+    chunk = inline[op.addr : op.addr + n]
+    if len(chunk) != n:  # admission keeps a runner's READs inside the source
+        return InvalidArgument("a READ past the inline source")
+    at = op.buffer.offset + op.offset
+    op.buffer.region.view[at : at + n] = chunk
+    return None

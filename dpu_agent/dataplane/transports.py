@@ -60,6 +60,7 @@ async def _verbs(device: str, host: PeerAddress, queue_depth: int, _peer: str) -
 async def _tcp(
     allow: Allow,
     op_timeout: float,
+    inline_max: int,
     host: PeerAddress,
     _queue_depth: int,
     peer: str,
@@ -68,7 +69,7 @@ async def _tcp(
         raise TransportError("the tcp transport needs a tcp host endpoint")
     await check_host(host.host, peer, allow)
     sock, token = await tcp.dial(host)
-    return tcp.TcpAgentLink(sock, token, op_timeout=op_timeout)
+    return tcp.TcpAgentLink(sock, token, op_timeout=op_timeout, inline_max=inline_max)
 
 
 def factories(config: AgentConfig, devices: Sequence[RdmaDeviceInfo]) -> dict[int, LinkFactory]:
@@ -94,5 +95,5 @@ def factories(config: AgentConfig, devices: Sequence[RdmaDeviceInfo]) -> dict[in
             allow = parse_allow(config.tcp_allow)
         except ValueError as exc:
             raise ConfigError(f"dataplane.tcp_allow: {exc}") from None
-        result[TRANSPORT_TCP] = functools.partial(_tcp, allow, config.op_timeout)
+        result[TRANSPORT_TCP] = functools.partial(_tcp, allow, config.op_timeout, config.inline_max)
     return result

@@ -94,6 +94,7 @@ def session(s: Session, *, with_token: bool = False) -> session_pb2.Session:
         transport=s.transport_kind,  # type: ignore[arg-type]
         state=int(s.state),  # type: ignore[arg-type]
         queue_depth=s.queue_depth,
+        inline_max=s.link.inline_max,
         client_label=s.label,
         agent_endpoint=endpoints.to_proto(_shown(s.address, with_token=with_token)),
         times=common_pb2.ResourceTimes(create_time=timestamp(s.create_ns)),

@@ -42,6 +42,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import TracebackType
 
+    from dpu_wire.capsule import Span
+
+
+OutCapsule = bytes | tuple[bytes, memoryview]
+"""What a host link sends: a capsule, or an INLINE SUBMIT and its source's bytes."""
+
 
 class Access(enum.IntFlag):
     """What the peer may do to a registered region."""
@@ -128,6 +134,9 @@ class AgentLink(abc.ABC):
     """True: completions must be polled (verbs), so the reactor polls the link while
     operations are outstanding and for a while after; False: the descriptor's readiness
     says when to poll (tcp)."""
+    inline_max: int = 0
+    """The largest job source a SUBMIT may carry inline on this link (docs/data-plane.md
+    2.8); 0: none (verbs: every RECV buffer is `MAX_CAPSULE` bytes)."""
 
     @property
     @abc.abstractmethod
@@ -235,8 +244,21 @@ class HostLink(abc.ABC):
         """
 
     @abc.abstractmethod
-    def send(self, capsules: Sequence[bytes]) -> None:
-        """Send capsules in order, without blocking; TransportError once failed."""
+    def send(self, capsules: Sequence[OutCapsule]) -> None:
+        """Send capsules in order, without blocking; TransportError once failed.
+
+        A `(submit, source)` pair is an INLINE SUBMIT and the source's bytes, sent as
+        one capsule (tcp only: a link whose `local_view` answers None never gets one).
+        """
+
+    def local_view(self, span: Span) -> memoryview | None:
+        """This side's memory behind `span`, if it names a region the agent may READ.
+
+        What an inline source is sent from; None otherwise, and on links that do not
+        carry inline sources.
+        """
+        del span
+        return None
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -37,12 +37,13 @@ import struct
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple
 
-from dpu_wire.capsule import MAX_CAPSULE
+from dpu_wire.capsule import MAX_CAPSULE, MAX_INLINE, SUBMIT_SIZE, Span
 from dpu_wire.transport import _memory
 from dpu_wire.transport.base import (
     Access,
     AgentLink,
     HostLink,
+    OutCapsule,
     PeerAddress,
     PeerClosed,
     Region,
@@ -294,6 +295,13 @@ class FrameStream:
         if sent is not None:
             self._tx_callbacks.append((self._queued, sent))
 
+    def append(self, payload: memoryview) -> None:
+        """Queue more payload for the frame queued last (its header counted it)."""
+        if len(payload):
+            view = payload.cast("B")
+            self._tx.append(view)
+            self._queued += len(view)
+
     @property
     def wants_write(self) -> bool:
         """Whether bytes are queued."""
@@ -442,14 +450,23 @@ class TcpAgentLink(AgentLink, FrameHandler):
     """
 
     def __init__(
-        self, sock: socket.socket, token: bytes, *, op_timeout: float = OP_TIMEOUT
+        self,
+        sock: socket.socket,
+        token: bytes,
+        *,
+        op_timeout: float = OP_TIMEOUT,
+        inline_max: int = 0,
     ) -> None:
+        if not 0 <= inline_max <= MAX_INLINE:
+            raise ValueError(f"inline_max must be 0..{MAX_INLINE}, not {inline_max}")
         self._stream = FrameStream(sock, self)
         self._token = token
         self._op_timeout = op_timeout
         self._next_req = 1
         self._requests: dict[int, _Request] = {}
-        self._capsule = bytearray(MAX_CAPSULE)
+        self.inline_max = inline_max
+        # one capsule at a time: the longest is an INLINE SUBMIT of inline_max bytes
+        self._capsule = bytearray(max(MAX_CAPSULE, SUBMIT_SIZE + inline_max))
         self._sink: LinkSink | None = None
         self._done: list[int] = []  # tokens finished by sends, reported at the next poll
         self.error = None
@@ -559,8 +576,10 @@ class TcpAgentLink(AgentLink, FrameHandler):
     def payload_target(self, frame: Frame) -> memoryview | None:
         """FrameHandler: capsules into a small buffer, READ answers into the staging memory."""
         if frame.kind == FrameType.CAPSULE:
-            if frame.length > MAX_CAPSULE:
-                raise TransportError(f"capsule of {frame.length} bytes exceeds {MAX_CAPSULE}")
+            if frame.length > len(self._capsule):
+                raise TransportError(
+                    f"capsule of {frame.length} bytes exceeds {len(self._capsule)}"
+                )
             return memoryview(self._capsule)[: frame.length]
         if frame.kind == FrameType.READ_RESP:
             request = self._answered(frame, FrameType.READ)
@@ -665,6 +684,7 @@ class TcpHostLink(HostLink, FrameHandler):
         self._on_capsule: Callable[[memoryview], None] | None = None
         self._on_failure: Callable[[TransportError], None] | None = None
         self._writing = False
+        self.reads_served = 0  # the agent's READs answered with data (inline sources need none)
         self.error: TransportError | None = None
         self._closed = False
 
@@ -753,18 +773,36 @@ class TcpHostLink(HostLink, FrameHandler):
         self._on_capsule, self._on_failure = on_capsule, on_failure
         self._loop.add_reader(self._stream.sock.fileno(), self._readable)
 
-    def send(self, capsules: Sequence[bytes]) -> None:
-        """Queue CAPSULE frames and write what the socket takes now."""
+    def send(self, capsules: Sequence[OutCapsule]) -> None:
+        """Queue CAPSULE frames and write what the socket takes now.
+
+        An INLINE SUBMIT's source goes out from its region's memory, no copy made.
+        """
         if self.error is not None:
             raise self.error
         stream = self._stream
         if stream is None:
             raise TransportError("not connected")
         for capsule in capsules:
+            if isinstance(capsule, tuple):
+                submit, source = capsule
+                stream.queue(pack(FrameType.CAPSULE, length=len(submit) + len(source)), submit)
+                stream.append(source)
+                continue
             if len(capsule) > MAX_CAPSULE:
                 raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
             stream.queue(pack(FrameType.CAPSULE, length=len(capsule)), capsule)
         self._flush()
+
+    def local_view(self, span: Span) -> memoryview | None:
+        """The memory behind `span` if it lies in a region the agent may READ."""
+        region = self._regions.get(span[2])
+        if region is None or not region.access & Access.REMOTE_READ:
+            return None
+        offset = span[0] - region.addr
+        if offset < 0 or offset + span[1] > region.length:
+            return None
+        return region.view[offset : offset + span[1]]
 
     def _readable(self) -> None:
         stream = self._stream
@@ -829,6 +867,7 @@ class TcpHostLink(HostLink, FrameHandler):
             if view is None:
                 self._refuse(FrameType.READ_RESP, frame)
             else:
+                self.reads_served += 1
                 stream.queue(pack(FrameType.READ_RESP, 0, frame.req_id, length=len(view)), view)
         elif frame.kind == FrameType.WRITE:
             if payload is None:

@@ -71,6 +71,7 @@ from dpu_wire.transport.base import (
     Access,
     AgentLink,
     HostLink,
+    OutCapsule,
     PeerAddress,
     Region,
     RemoteAccessError,
@@ -1037,18 +1038,20 @@ class VerbsHostLink(HostLink):
         self._loop.add_reader(self._qp.channel_fd, self._on_channel)
         self._kick()
 
-    def send(self, capsules: Sequence[bytes]) -> None:
+    def send(self, capsules: Sequence[OutCapsule]) -> None:
         """Post a SEND per capsule, in order; TransportError once the link failed.
 
         Capsules that find every send slot taken wait in order and go out as earlier
-        SENDs complete.
+        SENDs complete. No inline sources here (`local_view` answers None).
         """
         if self._qp.error is not None:
             raise self._qp.error
+        out: list[bytes] = []
         for capsule in capsules:
-            if len(capsule) > MAX_CAPSULE:
-                raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
-        self._backlog.extend(capsules)
+            if isinstance(capsule, tuple) or len(capsule) > MAX_CAPSULE:
+                raise ValueError(f"a verbs capsule is bytes of at most {MAX_CAPSULE}")
+            out.append(capsule)
+        self._backlog.extend(out)
         self._send_backlog()
         self._kick()
 

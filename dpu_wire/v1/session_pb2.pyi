@@ -179,6 +179,7 @@ class Session(_message.Message):
     TIMES_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    INLINE_MAX_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Resource name: "sessions/{session}". Output only."""
     tenant: _builtins.str
@@ -189,6 +190,10 @@ class Session(_message.Message):
     """Maximum number of jobs in flight on this session."""
     client_label: _builtins.str
     """Free-form label the client chose ("host-17/app"), for humans."""
+    inline_max: _builtins.int
+    """The largest job source, in bytes, a SUBMIT capsule of this session may carry
+    inline (docs/data-plane.md section 2.8); 0: none. Output only.
+    """
     @_builtins.property
     def agent_endpoint(self) -> Global___Endpoint:
         """The agent's data-plane endpoint. Output only. For tcp its token is set in the
@@ -216,10 +221,11 @@ class Session(_message.Message):
         times: _common_pb2.ResourceTimes | None = ...,
         counters: Global___SessionCounters | None = ...,
         error: _common_pb2.Status | None = ...,
+        inline_max: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "counters", b"counters", "error", b"error", "times", b"times"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "client_label", b"client_label", "counters", b"counters", "error", b"error", "name", b"name", "queue_depth", b"queue_depth", "state", b"state", "tenant", b"tenant", "times", b"times", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoint", b"agent_endpoint", "client_label", b"client_label", "counters", b"counters", "error", b"error", "inline_max", b"inline_max", "name", b"name", "queue_depth", b"queue_depth", "state", b"state", "tenant", b"tenant", "times", b"times", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

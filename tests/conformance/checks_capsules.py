@@ -477,7 +477,8 @@ async def too_long(ctx: Ctx) -> None:
     """DP-2.5-3."""
     session = await ctx.open()
     if isinstance(session.host, RawTcpHost):
-        await session.host.send(wire.frame(wire.Ft.CAPSULE, length=257) + bytes(257))
+        limit = max(wire.MAX_CAPSULE, 80 + session.reply.inline_max)  # section 2.8
+        await session.host.send(wire.frame(wire.Ft.CAPSULE, length=limit + 1) + bytes(limit + 1))
         await asyncio.wait_for(session.host.eof.wait(), WAIT)
     else:
         assert isinstance(session.host, RawVerbsHost)

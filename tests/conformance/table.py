@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 
 from tests.conformance import checks_capsules as c2
 from tests.conformance import checks_failure as c4
+from tests.conformance import checks_inline as c28
 from tests.conformance import checks_session as c1
 from tests.conformance import checks_tcp as c3
 
@@ -116,6 +117,10 @@ ROWS: Final = (
     Row("DP-2.7-1", BOTH, c2.output_bounded),
     Row("DP-2.7-2", BOTH, c2.decrypt_tag, "the agent, and the SDK"),
     Row("DP-2.7-3", BOTH, c2.zstd_window),
+    # 2.8 inline sources
+    Row("DP-2.8-1", TCP, c28.runs_as_if_read, "verbs sessions offer inline_max 0"),
+    Row("DP-2.8-2", BOTH, c28.length_must_match),
+    Row("DP-2.8-3", BOTH, c28.bad_inline_sources),
     # 3 tcp frames
     Row("DP-3-1", TCP, c3.agent_frames),
     Row("DP-3-2", TCP, c3.host_violations),

@@ -18,7 +18,7 @@ from typing import Final
 
 import pytest
 
-from dpu_wire.capsule import Cancel, Completion, JobKind, Span, State, Submit
+from dpu_wire.capsule import FLAG_INLINE, Cancel, Completion, JobKind, Span, State, Submit
 from dpu_wire.transport import tcp
 from tests.conformance import wire
 
@@ -52,6 +52,13 @@ EXAMPLES: Final[dict[str, bytes]] = {
         end_ns=1700000000000010000,
     ).encode(),
     "CANCEL 16 bytes": Cancel(7).encode(),
+    "INLINE SUBMIT 89 bytes": Submit(
+        job_id=9,
+        kind=JobKind.CRC32C,
+        source=Span(0, 9, 0),
+        flags=FLAG_INLINE,
+        inline=b"123456789",
+    ).encode(),
     "HELLO frame": tcp.pack(tcp.FrameType.HELLO, length=32) + TOKEN,
     "CAPSULE frame header": tcp.pack(tcp.FrameType.CAPSULE, length=80),
     "READ frame": tcp.pack(tcp.FrameType.READ, 0, 1, 0x7F3A12340000, 0x1234, 4096),
@@ -154,6 +161,9 @@ def test_the_suites_own_codec_agrees_with_the_encoder():
     )
     assert made == EXAMPLES["SUBMIT 80 bytes"]
     assert wire.cancel(7) == EXAMPLES["CANCEL 16 bytes"]
+    assert (
+        wire.submit_inline(9, wire.Kind.CRC32C, b"123456789") == EXAMPLES["INLINE SUBMIT 89 bytes"]
+    )
     assert wire.hello(TOKEN) == EXAMPLES["HELLO frame"]
     assert wire.frame(wire.Ft.READ, 0, 1, 0x7F3A12340000, 0x1234, 4096) == EXAMPLES["READ frame"]
     for title in ("COMPLETION 80 bytes", "COMPLETION (FAILED) 99 bytes"):

@@ -67,6 +67,7 @@ class Ft(enum.IntEnum):
 
 
 FUA: Final = 1
+INLINE: Final = 2
 LZ4: Final = 1
 ZSTD: Final = 2
 
@@ -100,6 +101,28 @@ def submit(
         MAGIC, version, Op.SUBMIT, 80, job_id, kind, flags, deadline_ms,
         *source, *destination, offset, handle, reserved, length,
     )  # fmt: skip
+
+
+def submit_inline(
+    job_id: int,
+    kind: int,
+    data: bytes,
+    destination: Span = ZERO,
+    /,
+    *,
+    source: Span | None = None,
+    extra: bytes = b"",
+    **fields: int,
+) -> bytes:
+    """An INLINE SUBMIT (section 2.8): 80 bytes, then `data`; its header counts both.
+
+    `source` overrides the span (addr 0, len(data), rkey 0); `extra` is sent after `data`
+    without being counted in source.length (but in the header's length).
+    """
+    span = source if source is not None else Span(0, len(data), 0)
+    head = submit(job_id, kind, span, destination, flags=INLINE | fields.pop("flags", 0), **fields)
+    body = data + extra
+    return head[:4] + (80 + len(body)).to_bytes(4, "little") + head[8:] + body
 
 
 def cancel(job_id: int) -> bytes:

@@ -6,11 +6,12 @@ A script opens one session and plays the host's side of docs/data-plane.md secti
 - the handshake (`Hello`): the right HELLO, sent whole or in pieces, or a wrong token,
   a wrong length, garbage, a HELLO cut short and the connection closed, a HELLO with
   frames glued behind it, two HELLOs;
-- then up to `MAX_ACTIONS` actions: capsules (random bytes of at most 256, or SUBMITs
-  with random fields), frames with random headers and truncated or absent payloads,
-  garbage, CAPSULE frames longer than 256 bytes, a second HELLO, half a frame and a
-  pause (a stall mid-frame), and copies whose READ this host answers with the wrong
-  type, the wrong id, the wrong length, a refusal, late, or not at all;
+- then up to `MAX_ACTIONS` actions: capsules (random bytes of at most 256, SUBMITs
+  with random fields, INLINE SUBMITs whose length is right or wrong), frames with
+  random headers and truncated or absent payloads, garbage, CAPSULE frames longer than
+  the agent's limit (80 + inline_max, data-plane.md 2.8), a second HELLO, half a frame
+  and a pause (a stall mid-frame), and copies whose READ this host answers with the
+  wrong type, the wrong id, the wrong length, a refusal, late, or not at all;
 - and the end: the connection closed (FIN or RST), then CloseSession.
 
 What must hold whatever the script (`play` checks it): OpenSession succeeds exactly for
@@ -140,11 +141,26 @@ def _capsule() -> st.SearchStrategy[bytes]:
             handle=draw(st.integers(0, 3)),
         )  # fmt: skip
 
+    @st.composite
+    def inline(draw: st.DrawFn) -> bytes:  # an INLINE SUBMIT, its length right or wrong
+        data = draw(st.binary(max_size=INLINE_MAX + 1))
+        said = draw(st.just(len(data)) | st.integers(0, INLINE_MAX + 2))
+        return wire.submit_inline(
+            draw(st.integers(1, 50)), draw(st.integers(0, 13)), data, draw(span),
+            source=wire.Span(draw(st.sampled_from([0, 0, SRC[0]])), said, 0),
+            handle=draw(st.integers(0, 3)),
+        )  # fmt: skip
+
     return weighted(
         (submit(), 3),
+        (inline(), 1),
         (st.integers(1, 60).map(wire.cancel), 1),
         (st.binary(max_size=256), 2),
     )
+
+
+INLINE_MAX: Final = 4096  # the agent's default [dataplane] inline_max (data-plane.md 2.8)
+CAPSULE_LIMIT: Final = 80 + INLINE_MAX  # a longer CAPSULE frame ends the data plane
 
 
 def _oversized(length: int) -> Action:
@@ -162,7 +178,7 @@ def _action() -> st.SearchStrategy[Action]:
         (st.sampled_from(ANSWERS).map(lambda a: Action("copy", answer=a)), 5),
         (_frame_bytes().map(lambda f: Action("frame", f)), 4),
         (st.binary(min_size=1, max_size=300).map(lambda b: Action("garbage", b)), 2),
-        (st.integers(257, 0xFFFF_FFFF).map(_oversized), 1),
+        (st.integers(CAPSULE_LIMIT + 1, 0xFFFF_FFFF).map(_oversized), 1),
         (st.builds(_stall, _frame_bytes(), st.integers(1, 40), pause), 2),
         (st.binary(min_size=32, max_size=32).map(lambda b: Action("hello", wire.hello(b))), 1),
     )

@@ -121,7 +121,7 @@ async def manager():
     reactor.start()
     bus = CompletionBus()
     bus.subscribe(m.on_completions)
-    tcp = functools.partial(transports._tcp, parse_allow("peer"), 30.0)
+    tcp = functools.partial(transports._tcp, parse_allow("peer"), 30.0, 4096)
     manager = SessionManager(
         ManagerSettings(orphan_timeout=0.2, failed_retention=1.0, chunk_size=65536),
         {TRANSPORT_TCP: tcp},

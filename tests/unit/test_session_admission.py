@@ -30,7 +30,7 @@ async def opened():
     reactor = Reactor()
     reactor.start()
     # the "connections" below are names, not addresses: let the data plane dial loopback
-    tcp = functools.partial(transports._tcp, parse_allow("127.0.0.0/8"), 30.0)
+    tcp = functools.partial(transports._tcp, parse_allow("127.0.0.0/8"), 30.0, 4096)
 
     def make(**settings):
         quotas = Quotas(max_sessions=settings.pop("tenant", 0))
