@@ -15,6 +15,10 @@ hop:
     wire   completion until the SDK's link hands the capsule over    A3 -> H2
     host   wake       the awaiting task runs again                   H2 -> H3
 
+On tcp the SDK sends a 4 KiB source inside the SUBMIT (docs/data-plane.md 2.8): there
+is no READ, and the agent's rows are its whole job (A0 -> A3) and `admit (Python)`;
+`--no-inline` measures the READ path instead.
+
 and, per side, the time inside the job's span spent in posting (verbs: the
 `ibv_post_send` of a prepared work request; tcp: the `sendmsg` of the queued frames),
 in polling (verbs: the CQs; tcp: `recv` and frame parsing; empty polls included, the
@@ -207,12 +211,12 @@ def cpu_rows(
 _cpu: list[dict[str, Any]] = []
 
 
-async def _client(target: str, transport: str, jobs: int, agent_pid: int) -> None:
+async def _client(target: str, transport: str, jobs: int, agent_pid: int, *, inline: bool) -> None:
     import host_client  # noqa: PLC0415
 
     async with (
         host_client.Client(target, timeout=60) as client,
-        await client.open_session(transport=transport, queue_depth=4) as session,
+        await client.open_session(transport=transport, queue_depth=4, inline=inline) as session,
     ):
         src = await session.alloc(4096, readable=True)
         dst = await session.alloc(4096, writable=True)
@@ -253,7 +257,9 @@ def _jobs(stamps: list[tuple[str, int]], names: tuple[str, ...]) -> list[dict[st
                 job[name] += ns
         elif name in names and name not in job:
             job[name] = ns
-    return [job for job in jobs if all(n in job for n in names)]
+    # the first and last stamps make a whole job; a job with no READ (an inline source)
+    # has none of the READ's stamps
+    return [job for job in jobs if names[0] in job and names[-1] in job]
 
 
 def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[dict[str, Any]]:
@@ -266,6 +272,9 @@ def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[di
         {f"agent {k}" if k in _TIMERS else k: v for k, v in job.items()}
         for job in _jobs(agent, ("A0", "Ap", "A1", "A2", "A3"))
     ]
+    for job in agent_jobs:
+        if "A1" not in job:  # no READ (inline): an on_done then is another operation's
+            job.pop("A2", None)
     # agent jobs after the warm-up: match each host job to the agent job inside it
     merged: list[dict[str, int]] = []
     index = 0
@@ -276,7 +285,7 @@ def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[di
             merged.append({**job, **agent_jobs[index]})
             index += 1
     rows = []
-    spans = [*HOPS, ("total", "job", "H0", "H3")]
+    spans = [*HOPS, ("agent", "whole job", "A0", "A3"), ("total", "job", "H0", "H3")]
     spans += [("agent", "admit (Python)", "A0", "Ap"), ("agent", "post READ", "Ap", "A1")]
     for job in merged:  # a poll's time includes the callbacks it made: take them out
         for side in ("host", "agent"):
@@ -288,7 +297,13 @@ def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[di
             (side, "in callbacks", f"{side} callbacks", ""),
         ]
     for side, hop, start, end in spans:
-        values = sorted(((job[end] - job[start]) if end else job[start]) / 1000 for job in merged)
+        values = sorted(
+            ((job[end] - job[start]) if end else job[start]) / 1000
+            for job in merged
+            if start in job and (not end or end in job)
+        )
+        if not values:  # no READ hop: on tcp the SDK sends a 4 KiB source inline
+            continue
         rows.append(
             {
                 "side": side,
@@ -309,6 +324,9 @@ def main() -> None:
     parser.add_argument("--transport", default="verbs", choices=("verbs", "tcp"))
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--poll-mode", default="adaptive")
+    parser.add_argument(
+        "--no-inline", action="store_true", help="tcp: READ the source (no inline SUBMIT)"
+    )
     parser.add_argument(
         "--switch-interval",
         type=float,
@@ -340,7 +358,9 @@ def main() -> None:
                     raise SystemExit("the agent exited before it was ready")
                 time.sleep(0.05)
             _install_host()
-            asyncio.run(_client(ready.read_text().strip(), args.transport, args.jobs, proc.pid))
+            target = ready.read_text().strip()
+            inline = not args.no_inline
+            asyncio.run(_client(target, args.transport, args.jobs, proc.pid, inline=inline))
         finally:
             proc.terminate()
             proc.wait(30)
