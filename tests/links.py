@@ -200,12 +200,18 @@ async def tcp_pair(r: Reactor) -> tuple[HostEnd, AgentEnd]:
 
 
 async def verbs_pair(
-    r: Reactor, spin: float = 0.002, queue_depth: int = 32, **where: object
+    r: Reactor,
+    spin: float = 0.002,
+    queue_depth: int = 32,
+    host_where: dict[str, object] | None = None,
+    **where: object,
 ) -> tuple[HostEnd, AgentEnd]:
-    """A connected verbs host and agent link (`where`: device, port, gid_index)."""
+    """A connected verbs host and agent link (`where`: the agent's device, port, gid_index;
+    `host_where` the host's, else the same: two nodes or one device to itself)."""
     from dpu_wire.transport.verbs import VerbsAgentLink, VerbsHostLink  # noqa: PLC0415
 
-    host = VerbsHostLink(queue_depth=queue_depth, spin=max(spin, 0.0), **where)  # type: ignore[arg-type]
+    host_at = where if host_where is None else host_where
+    host = VerbsHostLink(queue_depth=queue_depth, spin=max(spin, 0.0), **host_at)  # type: ignore[arg-type]
     agent_link = VerbsAgentLink(queue_depth=queue_depth, **where)  # type: ignore[arg-type]
     agent_link.connect(host.address)
     await host.connect(agent_link.address)

@@ -39,7 +39,11 @@ OPTIONAL_MODULES = (
 )
 GUEST_TMP = "/tmp"  # noqa: S108 - the guest's own fresh tmpfs
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-RXE_ADDR = "192.168.77.1/24"
+# Two RDMA nodes on one veth pair: the DPU's rxe0 on veth0, the host's rxe1 on veth1.
+RXE_ADDR = "192.168.77.1/24"  # veth0: the agent's side
+HOST_RXE_ADDR = "192.168.77.2/24"  # veth1: the SDK's side
+AGENT_DEVICE = "rxe0"
+HOST_DEVICE = "rxe1"
 VETH_MTU = 9000  # the veth pair rxe0 sits on: RoCE MTU 4096
 START_MARK = b"@@testvm:start@@\n"
 END_MARK = b"\n@@testvm:end@@"
@@ -76,13 +80,18 @@ def guest_env(opts: VMOptions) -> list[tuple[str, str]]:
         # (an error under filterwarnings=error) that it cannot write .hypothesis/ there.
         ("HYPOTHESIS_STORAGE_DIRECTORY", f"{GUEST_TMP}/.hypothesis"),
         ("DPU_TESTVM", "1"),
+        # the two nodes: the agent binds rxe0, the SDK (and test hosts) rxe1
+        ("DPU_TEST_RDMA_DEVICE", AGENT_DEVICE),
+        ("DPU_TEST_HOST_RDMA_DEVICE", HOST_DEVICE),
+        ("DPU_RDMA_DEVICE", HOST_DEVICE),
         *opts.env,
     ]
 
 
 def stage2_setup(kc: KernelCache, verbose: bool) -> str:  # noqa: FBT001
-    """Shell that loads the modules and brings up veth0/veth1 and rxe0."""
+    """Shell that loads the modules and brings up two RDMA nodes: rxe0/veth0, rxe1/veth1."""
     mods = " ".join(OPTIONAL_MODULES)
+    agent_ip, host_ip = RXE_ADDR.split("/", maxsplit=1)[0], HOST_RXE_ADDR.split("/", maxsplit=1)[0]
     quiet = "" if verbose else "echo '1 4 1 7' > /proc/sys/kernel/printk\n"
     return f"""set -u
 fail() {{
@@ -107,12 +116,28 @@ ip link add veth0 type veth peer name veth1 || fail "cannot create veth0/veth1"
 # 1024 at 1500), and perftest and the project both use the port's active MTU
 ip link set veth0 mtu {VETH_MTU} && ip link set veth1 mtu {VETH_MTU} || fail "cannot set the MTU"
 ip addr add {RXE_ADDR} dev veth0 || fail "cannot address veth0"
+ip addr add {HOST_RXE_ADDR} dev veth1 || fail "cannot address veth1"
 ip link set veth0 up && ip link set veth1 up || fail "cannot bring veth0/veth1 up"
-rdma link add rxe0 type rxe netdev veth0 || fail "rdma link add rxe0 failed"
-i=0
-until rdma link show rxe0/1 2>/dev/null | grep -q 'state ACTIVE'; do
-    i=$((i + 1)); [ "$i" -ge 100 ] && fail "rxe0 port 1 not ACTIVE after 10 s"
-    sleep 0.1
+# Both addresses are local, so the kernel would deliver rxe1 -> rxe0 over lo (and 6.1's
+# rxe is not namespace-aware): route each by its output device across the pair instead.
+for dev in all default veth0 veth1; do
+    sysctl -qw net.ipv4.conf.$dev.accept_local=1 net.ipv4.conf.$dev.rp_filter=0 \
+        || fail "cannot set accept_local/rp_filter on $dev"
+done
+ip rule add pref 10 oif veth1 lookup 101 && ip rule add pref 11 oif veth0 lookup 100 \
+    && ip rule add pref 1000 lookup local && ip rule del pref 0 lookup local \
+    || fail "cannot add the policy rules that send the pair's traffic across it"
+ip route add {host_ip}/32 dev veth0 src {agent_ip} table 100 \
+    && ip route add {agent_ip}/32 dev veth1 src {host_ip} table 101 \
+    || fail "cannot add the routes across the pair"
+rdma link add {AGENT_DEVICE} type rxe netdev veth0 || fail "rdma link add {AGENT_DEVICE} failed"
+rdma link add {HOST_DEVICE} type rxe netdev veth1 || fail "rdma link add {HOST_DEVICE} failed"
+for dev in {AGENT_DEVICE} {HOST_DEVICE}; do
+    i=0
+    until rdma link show $dev/1 2>/dev/null | grep -q 'state ACTIVE'; do
+        i=$((i + 1)); [ "$i" -ge 100 ] && fail "$dev port 1 not ACTIVE after 10 s"
+        sleep 0.1
+    done
 done
 cd {shlex.quote(str(CHECKOUT))} || fail "cannot enter the checkout"
 """
@@ -133,7 +158,8 @@ def stage2_script(kc: KernelCache, opts: VMOptions) -> str:
         size = terminal_size()
         return script + (
             f"stty -F /dev/ttyS0 rows {size.lines} cols {size.columns} 2>/dev/null\n"
-            "echo 'testvm: rxe0 is up on veth0; exit the shell to power the VM off'\n"
+            "echo 'testvm: rxe0 (agent) on veth0 and rxe1 (host) on veth1 are up;"
+            " exit the shell to power the VM off'\n"
             "export PS1='testvm:\\w# '\n"
             "setsid -c /bin/bash --norc -i <>/dev/ttyS0 >&0 2>&1\n"
             'echo "$?" > /run/testvm/rc\n'

@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
-PREFERRED_DEVICE = os.environ.get("DPU_TEST_RDMA_DEVICE", "rxe0")
+PREFERRED_DEVICE = os.environ.get("DPU_TEST_RDMA_DEVICE", "rxe0")  # the agent's node
+# The host's node: the VM's rxe1 on veth1 (deploy/testvm/vmguest.py); unset, the agent's.
+HOST_DEVICE = os.environ.get("DPU_TEST_HOST_RDMA_DEVICE", "")
 PORT = 1
 HOW_TO_RUN = "run it in the soft-RoCE VM: python3 deploy/testvm/testvm.py run -- ..."
 
@@ -110,12 +112,28 @@ def _roce_v2_ipv4_gid(ctx: Any, port: int, table_len: int) -> tuple[int, str] | 
 
 @pytest.fixture(scope="session")
 def rdma_port() -> RdmaPort:
-    """The RDMA port to test on (rxe0 port 1 in the VM); skips where there is none."""
+    """The agent's RDMA port (rxe0 port 1 in the VM); skips where there is none."""
+    names = _device_names()
+    return _port_of(PREFERRED_DEVICE if PREFERRED_DEVICE in names else names[0])
+
+
+@pytest.fixture(scope="session")
+def host_port(rdma_port: RdmaPort) -> RdmaPort:
+    """The host's RDMA port: rxe1 in the VM, a second node across veth0/veth1.
+
+    Where no second device is named (a machine with one RDMA port), the agent's.
+    """
+    if not HOST_DEVICE or rdma_port.device == HOST_DEVICE:
+        return rdma_port
+    if HOST_DEVICE not in _device_names():
+        pytest.fail(f"DPU_TEST_HOST_RDMA_DEVICE={HOST_DEVICE} names no RDMA device")
+    return _port_of(HOST_DEVICE)
+
+
+def _port_of(name: str) -> RdmaPort:
     import pyverbs.device as d  # noqa: PLC0415
     import pyverbs.enums as e  # noqa: PLC0415
 
-    names = _device_names()
-    name = PREFERRED_DEVICE if PREFERRED_DEVICE in names else names[0]
     with d.Context(name=name) as ctx:
         attr = ctx.query_port(PORT)
         if attr.state != e.IBV_PORT_ACTIVE:
@@ -125,3 +143,55 @@ def rdma_port() -> RdmaPort:
         pytest.fail(f"{name} port {PORT} has no IPv4-mapped RoCEv2 GID (is its netdev addressed?)")
     index, gid = found
     return RdmaPort(device=name, port=PORT, gid_index=index, gid=gid)
+
+
+# ------------------------------------------------------------------ the wire was crossed
+
+
+def _netdev_of(device: str) -> str | None:
+    """The netdev an rxe device sits on (from its GID attributes), or None."""
+    ndevs = Path(f"/sys/class/infiniband/{device}/ports/{PORT}/gid_attrs/ndevs")
+    for entry in sorted(ndevs.glob("*")) if ndevs.is_dir() else []:
+        try:
+            name = entry.read_text().strip()
+        except OSError:  # an empty GID slot
+            continue
+        if name:
+            return name
+    return None
+
+
+def _received(device: str, netdev: str) -> tuple[int, int]:
+    """(RoCE packets `device` received, packets its netdev received), counters now."""
+    rdma = Path(f"/sys/class/infiniband/{device}/ports/{PORT}/hw_counters/rcvd_pkts")
+    net = Path(f"/sys/class/net/{netdev}/statistics/rx_packets")
+    return int(rdma.read_text()), int(net.read_text())
+
+
+def _two_nodes() -> list[tuple[str, str]]:
+    """(device, netdev) of the agent's and the host's node when they differ, else []."""
+    if not HOST_DEVICE or HOST_DEVICE == PREFERRED_DEVICE:
+        return []
+    pairs = [(dev, _netdev_of(dev)) for dev in (PREFERRED_DEVICE, HOST_DEVICE)]
+    return [(dev, net) for dev, net in pairs if net is not None]
+
+
+@pytest.fixture(autouse=True)
+def rdma_crossed_the_wire() -> Any:
+    """Every RoCE packet a node received came over its netdev: no self-loop passed a test.
+
+    With two nodes (the VM: rxe0 on veth0, rxe1 on veth1, routed across the pair), a
+    packet one device sends to itself, or that the kernel loops back instead of sending
+    across the pair, raises the device's `rcvd_pkts` without its netdev's `rx_packets`.
+    """
+    nodes = _two_nodes() if _run_here() else []
+    before = {dev: _received(dev, net) for dev, net in nodes}
+    yield
+    for dev, net in nodes:
+        rdma, wire = (
+            now - then for now, then in zip(_received(dev, net), before[dev], strict=True)
+        )
+        assert rdma <= wire, (
+            f"{dev} received {rdma} RoCE packets during the test but {net} only {wire}: "
+            "RDMA traffic did not cross the veth pair (a device talked to itself)"
+        )

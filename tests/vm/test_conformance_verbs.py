@@ -28,8 +28,8 @@ def agents(rdma_port, tmp_path_factory):
 
 
 @pytest.mark.parametrize("row", rows_for("verbs"), ids=lambda row: row.rule)
-async def test_requirement_over_verbs(row: Row, agents: Agents, rdma_port) -> None:
-    ctx = Ctx("verbs", agents, device=rdma_port.device)
+async def test_requirement_over_verbs(row: Row, agents: Agents, host_port) -> None:
+    ctx = Ctx("verbs", agents, device=host_port.device)  # the raw host on its own node
     try:
         await asyncio.wait_for(row.check(ctx), CHECK_TIMEOUT)
     finally:

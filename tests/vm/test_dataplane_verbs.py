@@ -57,9 +57,11 @@ async def test_agent_killed_mid_jobs_fails_them_and_a_new_session_works(rdma_por
     )
 
 
-async def test_a_streaming_session_does_not_stall_the_others_over_rxe(rdma_port, tmp_path):
+async def test_a_streaming_session_does_not_stall_the_others_over_rxe(
+    rdma_port, host_port, tmp_path
+):
     await busy_neighbour.others_progress_while_a_session_streams(
-        tmp_path, "verbs", _verbs_env(rdma_port), rdma_port.device
+        tmp_path, "verbs", _verbs_env(rdma_port), host_port.device
     )
 
 

@@ -54,7 +54,9 @@ async def _outcome(job: host_client.Job) -> object:
         return exc
 
 
-async def test_qp_forced_to_error_fails_pending_jobs_and_a_new_session_works(rdma_port, tmp_path):
+async def test_qp_forced_to_error_fails_pending_jobs_and_a_new_session_works(
+    rdma_port, host_port, tmp_path
+):
     metrics_address = f"127.0.0.1:{free_port()}"
     env = {
         **_verbs_env(rdma_port),
@@ -66,7 +68,7 @@ async def test_qp_forced_to_error_fails_pending_jobs_and_a_new_session_works(rdm
     try:
         async with host_client.Client(agent.address, timeout=60) as client:
             async with await client.open_session(
-                transport="verbs", queue_depth=8, rdma_device=rdma_port.device
+                transport="verbs", queue_depth=8, rdma_device=host_port.device
             ) as session:
                 src = await session.alloc(32 * MiB, readable=True)  # 8,192 chunks a job
                 dst = await session.alloc(32 * MiB, writable=True)
@@ -108,7 +110,7 @@ async def test_qp_forced_to_error_fails_pending_jobs_and_a_new_session_works(rdm
                 )
 
             async with await client.open_session(
-                transport="verbs", queue_depth=8, rdma_device=rdma_port.device
+                transport="verbs", queue_depth=8, rdma_device=host_port.device
             ) as fresh:
                 src = await fresh.alloc(MiB, readable=True)
                 dst = await fresh.alloc(MiB, writable=True)
@@ -138,9 +140,9 @@ async def test_overwrites_survive_repeated_sigkills_over_rxe(rdma_port, tmp_path
     assert summary.violations == [], "\n".join(summary.violations[:40])
 
 
-async def test_killed_host_sessions_are_freed_over_rxe(rdma_port, tmp_path):
+async def test_killed_host_sessions_are_freed_over_rxe(rdma_port, host_port, tmp_path):
     closed = await client_death.agent_frees_a_killed_hosts_sessions(
-        tmp_path, "verbs", _verbs_env(rdma_port), rdma_port.device
+        tmp_path, "verbs", _verbs_env(rdma_port), host_port.device
     )
     # the idle session's data plane cannot tell the host is gone: only the orphan
     # timeout closes it; the busy ones fail on their next RDMA operation (or orphan)
@@ -148,11 +150,11 @@ async def test_killed_host_sessions_are_freed_over_rxe(rdma_port, tmp_path):
     assert closed["closed"] == 0, closed
 
 
-async def test_4_clients_x_200_mixed_jobs_over_rxe(rdma_port, tmp_path):
+async def test_4_clients_x_200_mixed_jobs_over_rxe(rdma_port, host_port, tmp_path):
     agent = start_agent(tmp_path, env=_verbs_env(rdma_port))
     try:
         _, full = await load.run(
-            agent.address, agent.proc.pid, "verbs", 2, 2, 200, rdma_port.device
+            agent.address, agent.proc.pid, "verbs", 2, 2, 200, host_port.device
         )
         assert full.totals["jobs"] == 800
     finally:

@@ -99,10 +99,10 @@ async def _good_jobs(session: host_client.Session, buffers: list[host_client.Buf
     assert await session.crc32c(src) == crc32c.crc32c(data)
 
 
-def test_random_capsules_over_verbs(fuzz_agent: AgentProcess, rdma_port):
+def test_random_capsules_over_verbs(fuzz_agent: AgentProcess, host_port):
     loop = asyncio.new_event_loop()
     try:
-        _run(loop, fuzz_agent, rdma_port.device)
+        _run(loop, fuzz_agent, host_port.device)
     finally:
         loop.close()
 

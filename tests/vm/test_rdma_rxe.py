@@ -1,4 +1,8 @@
-"""RDMA WRITE and READ of 1 MiB between two RC QPs on one soft-RoCE device.
+"""RDMA WRITE and READ of 1 MiB between two RC QPs on two soft-RoCE nodes.
+
+QP A lives on the host's device (rxe1 in the test VM) and QP B on the agent's (rxe0),
+their traffic routed across the veth pair between them (tests/vm/conftest.py checks
+that it crossed).
 
 The resources are layered like rdma-core's tests/base.py: a device context with its
 protection domain, then RC endpoints (CQ + QP) on it; each is a context manager and is
@@ -106,8 +110,8 @@ class RCEndpoint:
         from pyverbs.addr import AHAttr, GlobalRoute  # noqa: PLC0415
         from pyverbs.qp import QPAttr  # noqa: PLC0415
 
-        port = self.dev.port
-        gid = remote.dev.ctx.query_gid(port.port, port.gid_index)
+        port, there = self.dev.port, remote.dev.port
+        gid = remote.dev.ctx.query_gid(there.port, there.gid_index)
         route = GlobalRoute(dgid=gid, sgid_index=port.gid_index)
         attr = QPAttr(port_num=port.port)
         attr.ah_attr = AHAttr(port_num=port.port, is_global=1, gr=route, dlid=0)
@@ -179,19 +183,27 @@ def assert_same_bytes(got: bytes, want: bytes) -> None:
 
 
 @pytest.fixture(scope="module")
-def verbs(rdma_port: RdmaPort) -> Iterator[VerbsContext]:
+def verbs(host_port: RdmaPort) -> Iterator[VerbsContext]:
+    """The host's node: QP A and its local buffers."""
+    with VerbsContext(host_port) as dev:
+        yield dev
+
+
+@pytest.fixture(scope="module")
+def verbs_b(rdma_port: RdmaPort) -> Iterator[VerbsContext]:
+    """The agent's node: QP B and the buffers A reaches remotely."""
     with VerbsContext(rdma_port) as dev:
         yield dev
 
 
 @pytest.fixture(scope="module")
-def rc_pair(verbs: VerbsContext) -> Iterator[tuple[RCEndpoint, RCEndpoint]]:
+def rc_pair(verbs: VerbsContext, verbs_b: VerbsContext) -> Iterator[tuple[RCEndpoint, RCEndpoint]]:
     """QP A (requester only, no remote access) connected to QP B (remote write + read)."""
     import pyverbs.enums as e  # noqa: PLC0415
 
     with (
         RCEndpoint(verbs, qp_access=0) as qp_a,
-        RCEndpoint(verbs, e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ) as qp_b,
+        RCEndpoint(verbs_b, e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ) as qp_b,
     ):
         qp_a.connect(qp_b)
         qp_b.connect(qp_a)
@@ -200,6 +212,7 @@ def rc_pair(verbs: VerbsContext) -> Iterator[tuple[RCEndpoint, RCEndpoint]]:
 
 def test_rdma_write_1mib(
     verbs: VerbsContext,
+    verbs_b: VerbsContext,
     rc_pair: tuple[RCEndpoint, RCEndpoint],
 ) -> None:
     import pyverbs.enums as e  # noqa: PLC0415
@@ -209,7 +222,7 @@ def test_rdma_write_1mib(
     # The source is only read locally (no flags); the target takes remote writes.
     with (
         verbs.mr(0) as src,
-        verbs.mr(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE) as dst,
+        verbs_b.mr(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE) as dst,
     ):
         src.write(data, SIZE)
         dst.write(os.urandom(SIZE), SIZE)
@@ -220,6 +233,7 @@ def test_rdma_write_1mib(
 
 def test_rdma_read_1mib(
     verbs: VerbsContext,
+    verbs_b: VerbsContext,
     rc_pair: tuple[RCEndpoint, RCEndpoint],
 ) -> None:
     import pyverbs.enums as e  # noqa: PLC0415
@@ -228,7 +242,7 @@ def test_rdma_read_1mib(
     data = os.urandom(SIZE)
     # The source is only read remotely; the local target is written by the HCA.
     with (
-        verbs.mr(e.IBV_ACCESS_REMOTE_READ) as remote,
+        verbs_b.mr(e.IBV_ACCESS_REMOTE_READ) as remote,
         verbs.mr(e.IBV_ACCESS_LOCAL_WRITE) as local,
     ):
         remote.write(data, SIZE)

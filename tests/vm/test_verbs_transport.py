@@ -46,12 +46,17 @@ def spin(request):
 
 
 @pytest_asyncio.fixture
-async def pair(rdma_port, spin):
+async def pair(rdma_port, host_port, spin):
     async with reactor(spin) as r:
         host, agent = await verbs_pair(
             r,
             spin,
             QUEUE_DEPTH,
+            host_where={
+                "device": host_port.device,
+                "port": host_port.port,
+                "gid_index": host_port.gid_index,
+            },
             device=rdma_port.device,
             port=rdma_port.port,
             gid_index=rdma_port.gid_index,
@@ -94,7 +99,9 @@ async def test_address_describes_the_queue_pair(pair):
         assert address.gid[:12] == bytes(10) + b"\xff\xff"  # IPv4-mapped RoCEv2 GID
         assert 0 <= address.psn < 1 << 24
         assert address.mtu in (256, 512, 1024, 2048, 4096)
-    assert host.link.address.qp_num != agent.link.address.qp_num
+    # two queue pairs: on two nodes (the VM) the GIDs differ, on one device the QP numbers
+    here, there = host.link.address, agent.link.address
+    assert (here.gid, here.qp_num) != (there.gid, there.qp_num)
 
 
 async def test_read_and_write_move_every_byte(pair):
@@ -325,7 +332,7 @@ from dpu_wire.transport.base import Access
 from dpu_wire.transport.verbs import VerbsAgentLink, VerbsHostLink
 
 async def main():
-    host = VerbsHostLink(device=sys.argv[1], queue_depth=4)
+    host = VerbsHostLink(device=sys.argv[2], queue_depth=4)
     agent = VerbsAgentLink(device=sys.argv[1], queue_depth=4)
     agent.connect(host.address)
     await host.connect(agent.address)
@@ -340,11 +347,11 @@ asyncio.run(main())
 """
 
 
-async def test_links_left_open_are_closed_cleanly_at_exit(rdma_port):
+async def test_links_left_open_are_closed_cleanly_at_exit(rdma_port, host_port):
     """A program that forgets to close its links still exits cleanly (no pyverbs teardown crash)."""
     done = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-c", LEFT_OPEN, rdma_port.device],
+        [sys.executable, "-c", LEFT_OPEN, rdma_port.device, host_port.device],
         capture_output=True,
         text=True,
         timeout=120,

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 DPU = "dpuv"  # the representors' namespace (the DPU side)
 PREFIX = "vfn-"  # functions' namespaces (the host side)
-NVMF_ADDRESS = "192.168.77.1"  # veth0, where the test VM puts rxe0
+NVMF_ADDRESS = "192.168.77.1"  # veth0, where the test VM puts rxe0 (the DPU's node)
+NVMF_HOST_ADDRESS = "192.168.77.2"  # veth1, rxe1: the host's node connects from here
 NVMET = Path("/sys/kernel/config/nvmet")
 NQN_PREFIX = "nqn.2026-11.io.dpu-offload:function:"
 

@@ -22,7 +22,13 @@ import host_client
 from dpu_wire.v1 import network_pb2, virtualization_pb2
 from tests.integration.conftest import start_agent
 from tests.vm.network.topology import ns_socket, ping, sh
-from tests.vm.virtualization.conftest import EMPTY, NVMF_ADDRESS, PREFIX, kernel_state
+from tests.vm.virtualization.conftest import (
+    EMPTY,
+    NVMF_ADDRESS,
+    NVMF_HOST_ADDRESS,
+    PREFIX,
+    kernel_state,
+)
 
 pytestmark = [pytest.mark.tc, pytest.mark.asyncio]
 VF = virtualization_pb2.FUNCTION_TYPE_VF
@@ -39,6 +45,7 @@ def agent(clean_kernel, tmp_path):
         "DPU_AGENT_VIRT_BACKEND": "linux",
         "DPU_AGENT_VIRT_HOST_NETNS_PREFIX": PREFIX,
         "DPU_AGENT_VIRT_NVMF_ADDRESS": NVMF_ADDRESS,
+        "DPU_AGENT_VIRT_NVMF_HOST_ADDRESS": NVMF_HOST_ADDRESS,
         "DPU_AGENT_DATAPLANE_TRANSPORTS": "tcp",
         # SQLite needs a local filesystem (tmp_path may be on 9p with --basetemp)
         "DPU_AGENT_STORAGE_DIR": tempfile.mkdtemp(prefix="dpuv-store-"),

@@ -17,7 +17,13 @@ from dpu_agent.virtualization import nvmet
 from dpu_agent.virtualization.commands import CommandFailed, SubprocessRunner
 from dpu_agent.virtualization.linux_backend import LinuxFunctionBackend, LinuxSettings
 from dpu_agent.virtualization.model import FunctionSpec, FunctionType, Provisioned
-from tests.vm.virtualization.conftest import EMPTY, NVMF_ADDRESS, PREFIX, kernel_state
+from tests.vm.virtualization.conftest import (
+    EMPTY,
+    NVMF_ADDRESS,
+    NVMF_HOST_ADDRESS,
+    PREFIX,
+    kernel_state,
+)
 
 pytestmark = pytest.mark.tc
 
@@ -39,7 +45,12 @@ class FailAt:
 
 
 def backend(runner=None, volumes=None, address=NVMF_ADDRESS) -> LinuxFunctionBackend:
-    settings = LinuxSettings(dpu_netns="dpuv", host_netns_prefix=PREFIX, nvmf_address=address)
+    settings = LinuxSettings(
+        dpu_netns="dpuv",
+        host_netns_prefix=PREFIX,
+        nvmf_address=address,
+        nvmf_host_address=NVMF_HOST_ADDRESS,
+    )
     return LinuxFunctionBackend(settings, volumes=volumes, runner=runner)
 
 
