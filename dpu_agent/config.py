@@ -54,6 +54,8 @@ Example file (every key optional):
                                   # connected over RDMA) or nbd (the NBD device itself)
     nvmf_address = ""             # linux: the RDMA interface address the target listens on
     nvmf_port = 4420
+    nvmf_host_address = ""        # linux: the host side's RDMA address to connect from
+                                  # ("" = the kernel's choice)
 
     [mqtt]
     enabled = false               # publish completions, status and telemetry
@@ -168,6 +170,7 @@ class AgentConfig:
     virt_block_export: str = "nvmf-rdma"
     virt_nvmf_address: str = ""
     virt_nvmf_port: int = 4420
+    virt_nvmf_host_address: str = ""
     mqtt_enabled: bool = False
     mqtt_host: str = "127.0.0.1"
     mqtt_port: int = 1883
@@ -535,6 +538,7 @@ SETTINGS: Final = (
             ("block_export", _choice("nvmf-rdma", "nbd"), "linux: nvmf-rdma or nbd"),
             ("nvmf_address", _text, "linux: NVMe-oF target address (RDMA interface)"),
             ("nvmf_port", _integer(1, 65535), "linux: NVMe-oF target port"),
+            ("nvmf_host_address", _text, "linux: the host side's address to connect from"),
         )
     ),
     *(

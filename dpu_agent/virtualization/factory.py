@@ -36,6 +36,7 @@ def make_backend(config: AgentConfig, volumes: VolumeStore | None) -> FunctionBa
                 block_export=config.virt_block_export,
                 nvmf_address=config.virt_nvmf_address,
                 nvmf_port=config.virt_nvmf_port,
+                nvmf_host_address=config.virt_nvmf_host_address,
             ),
             volumes=volumes,
         )

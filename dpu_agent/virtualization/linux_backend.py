@@ -46,6 +46,7 @@ class LinuxSettings:
     block_export: str = "nvmf-rdma"  # or "nbd"
     nvmf_address: str = ""
     nvmf_port: int = 4420
+    nvmf_host_address: str = ""  # the host side connects from here ("": the kernel picks)
 
 
 def mounted(device: str) -> str | None:
@@ -115,7 +116,7 @@ class LinuxFunctionBackend(FunctionBackend):
         undo.push(f"port of {sub}", lambda: self.target.unpublish(sub))
         self.target.publish(sub)
         address, port = self.settings.nvmf_address, self.settings.nvmf_port
-        controller = nvmet.connect(sub, address, port)
+        controller = nvmet.connect(sub, address, port, self.settings.nvmf_host_address)
         undo.push(f"controller {controller}", lambda: nvmet.disconnect(controller))
         device = nvmet.namespace_device(controller, sub)
         facts |= {"nqn": sub, "controller": controller, "traddr": address, "trsvcid": str(port)}

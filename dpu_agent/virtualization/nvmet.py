@@ -176,9 +176,11 @@ def controllers(subsystem: str) -> list[str]:
     return found
 
 
-def connect(subsystem: str, address: str, service_id: int) -> str:
-    """Connect the host side over RDMA; return the controller (nvmeN)."""
+def connect(subsystem: str, address: str, service_id: int, host_address: str = "") -> str:
+    """Connect the host side over RDMA (from `host_address` if given); the controller (nvmeN)."""
     options = f"transport=rdma,traddr={address},trsvcid={service_id},nqn={subsystem}"
+    if host_address:
+        options += f",host_traddr={host_address}"
     try:
         fd = os.open(FABRICS, os.O_RDWR)
     except OSError as exc:
