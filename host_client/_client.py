@@ -78,6 +78,9 @@ _HEALTH_STATES: Final = {
     health_pb2.HealthCheckResponse.UNKNOWN: "UNKNOWN",
 }
 
+RDMA_DEVICE_ENV: Final = "DPU_RDMA_DEVICE"
+"""The host's RDMA device when `open_session` names none (two nodes on one machine)."""
+
 
 class Client:
     """Async client of one DPU agent.
@@ -516,7 +519,9 @@ class Client:
         `transport`: "verbs" (RDMA RC queue pair), "tcp" (a socket the agent dials
         back to at `data_host`, which must be where this client's calls come from, as
         the agent sees it), or "auto" (verbs when both this host and the agent have an
-        RDMA device, else tcp). `queue_depth` bounds the jobs in flight. `request_id`
+        RDMA device, else tcp). `rdma_device`: this host's RDMA device for verbs
+        (default: $DPU_RDMA_DEVICE, else the first with an ACTIVE port); its IPv4-mapped
+        RoCEv2 GID is the endpoint. `queue_depth` bounds the jobs in flight. `request_id`
         is the OpenSession call's id (and idempotency key); the completion events of
         the session's capsule jobs carry it (`Session.request_id`). `poll_spin`
         (verbs): seconds the session keeps polling for completions after the last
@@ -527,6 +532,7 @@ class Client:
         if transport not in TRANSPORT_NUMBERS:
             choices = ", ".join(TRANSPORT_NUMBERS)
             raise InvalidArgumentError("INVALID_ARGUMENT", f"transport must be one of {choices}")
+        rdma_device = rdma_device or os.environ.get(RDMA_DEVICE_ENV) or None
         if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
             raise InvalidArgumentError(
                 "INVALID_ARGUMENT", f"queue_depth must be 1..{MAX_QUEUE_DEPTH}, not {queue_depth}"

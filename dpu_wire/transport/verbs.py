@@ -1048,8 +1048,10 @@ class VerbsHostLink(HostLink):
             raise self._qp.error
         out: list[bytes] = []
         for capsule in capsules:
-            if isinstance(capsule, tuple) or len(capsule) > MAX_CAPSULE:
-                raise ValueError(f"a verbs capsule is bytes of at most {MAX_CAPSULE}")
+            if isinstance(capsule, tuple):
+                raise TypeError("a verbs link carries no inline sources (inline_max 0)")
+            if len(capsule) > MAX_CAPSULE:
+                raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
             out.append(capsule)
         self._backlog.extend(out)
         self._send_backlog()
