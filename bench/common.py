@@ -254,6 +254,19 @@ def find_port() -> tuple[str, int, int]:
     return find(os.environ.get("DPU_TEST_RDMA_DEVICE"))
 
 
+def host_port() -> tuple[str, int, int]:
+    """(device, port, GID index) of the host's side of a verbs figure.
+
+    DPU_TEST_HOST_RDMA_DEVICE (the VM's rxe1, a second node), else the agent's port.
+    """
+    device = os.environ.get("DPU_TEST_HOST_RDMA_DEVICE")
+    if not device:
+        return find_port()
+    from dpu_wire.transport.verbs import find_port as find  # noqa: PLC0415
+
+    return find(device)
+
+
 def size_label(size: int) -> str:
     """`4 KiB`, `1024 KiB` (KiB up to and including 1 MiB, as the figure names have them)."""
     return f"{size >> 10} KiB" if size >= 1 << 10 else f"{size} B"
@@ -302,7 +315,7 @@ def _via_vm(name: str) -> list[Result]:
     produced = VM_RESULTS / f"{name}.json"
     produced.unlink(missing_ok=True)
     testvm = [sys.executable, str(CHECKOUT / "deploy" / "testvm" / "testvm.py"), "run"]
-    for variable in (QUICK_ENV, "DPU_TEST_RDMA_DEVICE"):
+    for variable in (QUICK_ENV, "DPU_TEST_RDMA_DEVICE", "DPU_TEST_HOST_RDMA_DEVICE"):
         if os.environ.get(variable):
             testvm += ["--env", f"{variable}={os.environ[variable]}"]
     command = [*testvm, "--", sys.executable, "-m", f"bench.{name}"]

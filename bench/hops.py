@@ -262,6 +262,13 @@ def _jobs(stamps: list[tuple[str, int]], names: tuple[str, ...]) -> list[dict[st
     return [job for job in jobs if names[0] in job and names[-1] in job]
 
 
+def _drop_stray_reads(agent_jobs: list[dict[str, int]]) -> None:
+    """A job with no READ (an inline source): an `on_done` in it is another operation's."""
+    for job in agent_jobs:
+        if "A1" not in job:
+            job.pop("A2", None)
+
+
 def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[dict[str, Any]]:
     """Per-hop median and p90 in microseconds over the jobs both sides recorded whole."""
     host_jobs = [
@@ -272,9 +279,7 @@ def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[di
         {f"agent {k}" if k in _TIMERS else k: v for k, v in job.items()}
         for job in _jobs(agent, ("A0", "Ap", "A1", "A2", "A3"))
     ]
-    for job in agent_jobs:
-        if "A1" not in job:  # no READ (inline): an on_done then is another operation's
-            job.pop("A2", None)
+    _drop_stray_reads(agent_jobs)
     # agent jobs after the warm-up: match each host job to the agent job inside it
     merged: list[dict[str, int]] = []
     index = 0
@@ -343,6 +348,8 @@ def main() -> None:
             "DPU_AGENT_STORAGE_DIR": f"{tmp}/volumes",
             "DPU_AGENT_TLS_PLAINTEXT_LOOPBACK": "1",
             "DPU_AGENT_TRANSPORTS": args.transport,
+            # the agent's node (the VM's rxe0); the SDK binds $DPU_RDMA_DEVICE (rxe1)
+            "DPU_AGENT_RDMA_DEVICE": os.environ.get("DPU_TEST_RDMA_DEVICE", ""),
             "DPU_AGENT_POLL_MODE": args.poll_mode,
         }
         if args.switch_interval is not None:

@@ -101,7 +101,10 @@ async def _host_main(transport: str, count: int, size: int, queue_depth: int) ->
     else:
         from dpu_wire.transport.verbs import VerbsHostLink  # noqa: PLC0415
 
-        link = VerbsHostLink(device=os.environ.get("DPU_TEST_RDMA_DEVICE"), queue_depth=queue_depth)
+        device = os.environ.get("DPU_TEST_HOST_RDMA_DEVICE") or os.environ.get(
+            "DPU_TEST_RDMA_DEVICE"
+        )
+        link = VerbsHostLink(device=device, queue_depth=queue_depth)  # the host's node
     access = Access.REMOTE_READ | Access.REMOTE_WRITE
     regions = [link.register(size, access) for _ in range(count)]
     for region in regions:

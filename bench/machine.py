@@ -44,12 +44,28 @@ def describe() -> dict[str, object]:
         # other work shared the CPUs during the run and its figures are not comparable
         "load_average": [round(load, 2) for load in os.getloadavg()],
         "python": platform.python_version(),
+        "rdma_topology": rdma_topology(),
         "python_loop_s": round(python_loop_s(), 3),
         "versions": {
             **{name: _python_version(name) for name in PYTHON_PACKAGES},
             **{name: _debian_version(name) for name in DEBIAN_PACKAGES},
         },
     }
+
+
+def rdma_topology() -> str:
+    """Which RDMA devices the agent's side and the host's side of a verbs figure used.
+
+    The test VM has two nodes (deploy/testvm/vmguest.py): the agent's rxe0 on veth0 and
+    the host's rxe1 on veth1, their traffic routed across the pair.
+    """
+    agent = os.environ.get("DPU_TEST_RDMA_DEVICE", "")
+    host = os.environ.get("DPU_TEST_HOST_RDMA_DEVICE", "") or agent
+    if not agent:
+        return ""  # not set: a host bench (tcp) or a machine's first ACTIVE port, both sides
+    if host == agent:
+        return f"one device: {agent} to itself (loopback)"
+    return f"two nodes: agent {agent}, host {host}, across a veth pair"
 
 
 def python_loop_s(steps: int = LOOP_STEPS) -> float:

@@ -1,7 +1,8 @@
-"""perftest (ib_write_lat, ib_write_bw, ib_send_lat) on one RDMA port: the verbs references.
+"""perftest (ib_write_lat, ib_write_bw, ib_send_lat) between two RDMA ports: the verbs references.
 
-Each tool runs as its own loopback pair (a server and a client process on the same
-device and port), as the project's benches do theirs. perftest reports MiB/s as "MB/s"
+Each tool runs as a server on the agent's port and a client on the host's (in the test
+VM rxe0 and rxe1, two nodes across a veth pair; one port to itself elsewhere), as the
+project's benches run theirs. perftest reports MiB/s as "MB/s"
 (2**20 bytes), and latencies as half a ping-pong round trip.
 """
 
@@ -21,16 +22,17 @@ LAT_ITERS = 2000
 Port = tuple[str, int, int]  # device, port number, GID index (bench.common.find_port)
 
 
-def _run(tool: str, args: list[str]) -> list[str]:
-    """Run a perftest server and its loopback client; the client's result line."""
+def _run(tool: str, args: list[str], client_args: list[str] | None = None) -> list[str]:
+    """Run a perftest server and its client (`client_args`, else `args`); the result line."""
     server = subprocess.Popen(
         [tool, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    client_args = args if client_args is None else client_args
     try:
         deadline = time.monotonic() + PORT_WAIT_S
         while True:  # the client fails until the server listens
             client = subprocess.run(
-                [tool, *args, "127.0.0.1"], capture_output=True, text=True, check=False
+                [tool, *client_args, "127.0.0.1"], capture_output=True, text=True, check=False
             )
             if client.returncode == 0 or time.monotonic() > deadline:
                 break
@@ -55,15 +57,18 @@ def _where(port: Port, size: int) -> list[str]:
     return ["-d", device, "-i", str(port_num), "-x", str(gid), "-F", "-s", str(size)]
 
 
-def write_bw(port: Port, size: int, in_flight: int, total_bytes: int) -> float:
+def write_bw(
+    port: Port, size: int, in_flight: int, total_bytes: int, *, client: Port | None = None
+) -> float:
     """ib_write_bw's BW average in MiB/s: `in_flight` WRITEs of `size` (-t), `total_bytes` in all.
 
     perftest's duration mode (-D) under-reports on rxe under TCG (10 MiB/s at 1 MiB with
     its default 128 in flight, 48 with -n), so the count is given.
     """
-    args = [*_where(port, size), "-t", str(in_flight), "-n", str(max(total_bytes // size, 16))]
+    shape = ["-t", str(in_flight), "-n", str(max(total_bytes // size, 16))]
+    args, client_args = [*_where(port, size), *shape], [*_where(client or port, size), *shape]
     for _ in range(ATTEMPTS):
-        fields = _run("ib_write_bw", args)
+        fields = _run("ib_write_bw", args, client_args)
         average = float(fields[3])  # #bytes #iterations BW-peak BW-average MsgRate
         if math.isfinite(average) and average > 0:
             return average
@@ -71,10 +76,11 @@ def write_bw(port: Port, size: int, in_flight: int, total_bytes: int) -> float:
     raise RuntimeError(f"ib_write_bw reported no bandwidth {ATTEMPTS} times at {size} bytes")
 
 
-def _latency(tool: str, port: Port, size: int) -> tuple[float, float]:
+def _latency(tool: str, port: Port, size: int, client: Port | None) -> tuple[float, float]:
     """(typical, p99) in microseconds from an ib_*_lat run."""
+    iters = ["-n", str(LAT_ITERS)]
     for _ in range(ATTEMPTS):
-        fields = _run(tool, [*_where(port, size), "-n", str(LAT_ITERS)])
+        fields = _run(tool, [*_where(port, size), *iters], [*_where(client or port, size), *iters])
         # bytes iterations min max typical average stdev p99 p99.9
         typical, p99 = float(fields[4]), float(fields[7])
         if all(math.isfinite(v) and v > 0 for v in (typical, p99)):
@@ -83,11 +89,13 @@ def _latency(tool: str, port: Port, size: int) -> tuple[float, float]:
     raise RuntimeError(f"{tool} reported no usable latency {ATTEMPTS} times at {size} bytes")
 
 
-def write_lat(port: Port, size: int = LAT_SIZE) -> tuple[float, float]:
-    """ib_write_lat's (typical, p99) in microseconds."""
-    return _latency("ib_write_lat", port, size)
+def write_lat(
+    port: Port, size: int = LAT_SIZE, *, client: Port | None = None
+) -> tuple[float, float]:
+    """ib_write_lat's (typical, p99) in microseconds (server on `port`, client on `client`)."""
+    return _latency("ib_write_lat", port, size, client)
 
 
-def send_lat(port: Port, size: int = 64) -> tuple[float, float]:
+def send_lat(port: Port, size: int = 64, *, client: Port | None = None) -> tuple[float, float]:
     """ib_send_lat's (typical, p99) in microseconds."""
-    return _latency("ib_send_lat", port, size)
+    return _latency("ib_send_lat", port, size, client)

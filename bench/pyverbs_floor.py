@@ -41,7 +41,7 @@ class _Sink:
 def _agent(conn: Any, jobs: int, cpu: int | None) -> None:  # noqa: ANN401 - a Pipe end
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    agent = VerbsAgentLink(queue_depth=4)
+    agent = VerbsAgentLink(device=os.environ.get("DPU_TEST_RDMA_DEVICE"), queue_depth=4)
     host_address, src, dst = conn.recv()
     agent.connect(host_address)
     conn.send(agent.address)
@@ -70,7 +70,7 @@ def run(jobs: int, *, pin: bool = False) -> tuple[float, float]:
     """(p50, p99) in microseconds of `jobs` copy jobs, one at a time."""
     if pin:
         os.sched_setaffinity(0, {0})
-    host = VerbsHostLink(queue_depth=4, spin=0)
+    host = VerbsHostLink(device=os.environ.get("DPU_TEST_HOST_RDMA_DEVICE"), queue_depth=4, spin=0)
     src = host.register(SIZE, Access.REMOTE_READ)
     dst = host.register(SIZE, Access.REMOTE_WRITE)
     parent, child = multiprocessing.Pipe()

@@ -355,7 +355,7 @@ def overload_notes(doc: dict[str, Any]) -> list[str]:
 
 
 def describe_machine(described: dict[str, Any]) -> str:
-    """One line: CPU, cores, memory, kernel, OS, Python and package versions."""
+    """One line: CPU, cores, memory, kernel, OS, Python, the RDMA topology, versions."""
     memory = described.get("memory_mib")
     versions = described.get("versions") or {}
     parts = [
@@ -365,6 +365,7 @@ def describe_machine(described: dict[str, Any]) -> str:
         f"kernel {described['kernel']}" if described.get("kernel") else None,
         described.get("os"),
         f"Python {described['python']}" if described.get("python") else None,
+        f"RDMA: {described['rdma_topology']}" if described.get("rdma_topology") else None,
         _loop_text(described),
         *(f"{name} {version}" for name, version in versions.items() if version),
     ]

@@ -73,11 +73,11 @@ async def job_throughput_mib_s(target: str, size: int) -> float:
 
 def measure() -> tuple[list[Result], list[Table]]:
     """Interleave each reference with ours on the same port."""
-    port = common.find_port()
+    port, client = common.find_port(), common.host_port()
     env = {"DPU_AGENT_TRANSPORTS": "verbs", "DPU_AGENT_RDMA_DEVICE": port[0]}
     results = []
     with agent_process(env) as target:
-        typical, p99 = perftest.write_lat(port)
+        typical, p99 = perftest.write_lat(port, client=client)
         samples = asyncio.run(job_latency_us(target))
         p50_ours, p99_ours = quantile(samples, 0.5), quantile(samples, 0.99)
         print(f"4 KiB copy job: p50 {p50_ours:.0f} us, p99 {p99_ours:.0f} us")
@@ -109,7 +109,7 @@ def measure() -> tuple[list[Result], list[Table]]:
             ),
         ]
         for size in SIZES:
-            reference = perftest.write_bw(port, size, IN_FLIGHT, BW_BYTES)
+            reference = perftest.write_bw(port, size, IN_FLIGHT, BW_BYTES, client=client)
             ours = asyncio.run(job_throughput_mib_s(target, size))
             label = common.size_label(size)
             print(f"copy jobs {label} x{IN_FLIGHT}: {ours:.1f} MiB/s written")

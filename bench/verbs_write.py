@@ -59,12 +59,12 @@ def _suffix(mode: str) -> str:
 
 def measure() -> list[Result]:
     """Every figure, each reference measured right before ours."""
-    port = common.find_port()
-    print(f"device {port[0]} port {port[1]} gid index {port[2]}; {IN_FLIGHT} writes in flight")
+    port, client = common.find_port(), common.host_port()
+    print(f"agent {port[0]} (GID {port[2]}), host {client[0]} (GID {client[2]}); x{IN_FLIGHT}")
     results: list[Result] = []
     with LinkPair("verbs", IN_FLIGHT, max(SIZES), queue_depth=IN_FLIGHT) as pair:
         for size in SIZES:
-            reference = perftest.write_bw(port, size, IN_FLIGHT, BW_BYTES)
+            reference = perftest.write_bw(port, size, IN_FLIGHT, BW_BYTES, client=client)
             for mode in MODES:
                 pair.reactor.spin = SPIN[mode]
                 pair.run([("write", size)], IN_FLIGHT, 4 * IN_FLIGHT)  # warm-up
@@ -85,8 +85,8 @@ def measure() -> list[Result]:
                         series=f"transport RDMA WRITE x{IN_FLIGHT}{_suffix(mode)}",
                     )
                 )
-        typical, p99 = perftest.write_lat(port, LAT_SIZE)
-        send_typical, _ = perftest.send_lat(port, 64)
+        typical, p99 = perftest.write_lat(port, LAT_SIZE, client=client)
+        send_typical, _ = perftest.send_lat(port, 64, client=client)
         print(f"  ib_write_lat 4 KiB typical {typical:.1f} us, p99 {p99:.1f} us")
         print(f"  ib_send_lat 64 B typical {send_typical:.1f} us")
         for mode in MODES:
