@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -258,6 +259,7 @@ class AgentServer:
             spin=_SPIN[cfg.poll_mode](cfg.poll_spin),
             compute_workers=cfg.compute_workers,
             io_workers=cfg.io_workers,
+            on_crash=_exit_on_reactor_crash,
         )
         self.reactor.start()
         self.sessions = SessionManager(
@@ -454,3 +456,17 @@ async def serve(
         log.info("signal received, shutting down")
     finally:
         await server.stop()
+
+
+EXIT_REACTOR_CRASHED: Final = 70  # EX_SOFTWARE
+
+
+def _exit_on_reactor_crash(_exc: BaseException) -> None:
+    """Exit at once (EX_SOFTWARE): a dead reactor is a dead data plane.
+
+    No job would complete and no session close, and a graceful shutdown would wait on it
+    forever. The supervisor restarts the agent; the volume store is crash-consistent by
+    design, and hosts see their sessions fail and open new ones.
+    """
+    logging.shutdown()
+    os._exit(EXIT_REACTOR_CRASHED)

@@ -113,12 +113,20 @@ class Reactor:
             at once when idle; negative: never sleep).
         compute_workers: threads for CPU-heavy job steps.
         io_workers: threads for blocking storage calls.
+        on_crash: called on the reactor thread if it dies of an exception (after it is
+            logged): the agent exits, since nothing answers its data plane any more.
     """
 
     def __init__(
-        self, *, spin: float = 0.002, compute_workers: int = 2, io_workers: int = 16
+        self,
+        *,
+        spin: float = 0.002,
+        compute_workers: int = 2,
+        io_workers: int = 16,
+        on_crash: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.spin = spin
+        self._on_crash = on_crash
         self._epoll = select.epoll()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll.register(self._wake_fd, _EPOLLIN)
@@ -267,8 +275,10 @@ class Reactor:
         try:
             while not self._stopping:
                 self._pass()
-        except BaseException:
+        except BaseException as exc:
             log.exception("the data-plane reactor crashed")
+            if self._on_crash is not None:
+                self._on_crash(exc)
             raise
 
     def _pass(self) -> None:
