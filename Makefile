@@ -14,8 +14,17 @@ PY     := $(VENV)/bin/python
 TESTVM := /usr/bin/python3 deploy/testvm/testvm.py
 LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench
 VM_JUNIT := .testvm/out/junit-vm.xml
+# The core RDMA subset the arm64 guest runs (BlueField's ISA): raw RC QPs with 1 MiB
+# WRITE/READ, the verbs transport, 1000 mixed jobs through a real agent, volume I/O,
+# the agent SIGKILLed mid-jobs and with acknowledged writes in flight.
+A64_JUNIT := .testvm/out/junit-aarch64-rdma.xml
+A64_RDMA_TESTS := tests/vm/test_rdma_rxe.py tests/vm/test_verbs_transport.py \
+    tests/vm/test_dataplane_verbs.py::test_1000_mixed_jobs_over_rxe \
+    tests/vm/test_dataplane_verbs.py::test_volume_round_trips_over_rxe \
+    tests/vm/test_dataplane_verbs.py::test_agent_killed_mid_jobs_fails_them_and_a_new_session_works \
+    tests/vm/test_dataplane_verbs.py::test_acknowledged_writes_survive_sigkill_over_rxe
 
-.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 vm-fetch demo demo-rdma bench clean
+.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 test-aarch64-rdma vm-fetch demo demo-rdma bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
@@ -49,6 +58,12 @@ test-host: venv  ## unit, integration, fault, load, fuzz, crash-torture and tcp 
 
 test-aarch64: venv  ## unit + tcp integration suites on arm64 under qemu-user (root; ~3 min, ~7 min the first time)
 	deploy/aarch64/run-tests.sh
+
+test-aarch64-rdma: venv  ## the core RDMA subset in an arm64 guest (cortex-a72, rxe0/rxe1) under TCG (root; ~3 min)
+	@mkdir -p $(dir $(A64_JUNIT)) && rm -f $(A64_JUNIT)
+	$(TESTVM) run --arch arm64 --timeout 2400 -- python -m pytest $(A64_RDMA_TESTS) \
+	    -p no:cacheprovider -p no:hypothesispytest -v --durations=10 --junitxml=/src/$(A64_JUNIT)
+	/usr/bin/python3 deploy/testvm/check_junit.py $(A64_JUNIT) --min-tests 60
 
 vm-fetch: venv  ## download and cache the test VM's kernel and initramfs
 	$(TESTVM) fetch

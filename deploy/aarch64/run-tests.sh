@@ -8,6 +8,9 @@
 #   deploy/aarch64/run-tests.sh --all        unit suite + every integration test that can run
 #   deploy/aarch64/run-tests.sh -- ARGS...   pytest ARGS instead (paths relative to the checkout)
 #   deploy/aarch64/run-tests.sh --shell      a shell in the arm64 root filesystem
+#   deploy/aarch64/run-tests.sh --prepare    build what is missing, refresh /src, print the
+#                                            root's path: the arm64 test VM boots it
+#                                            (deploy/testvm/testvm.py run --arch arm64)
 #   --rebuild                                build the root filesystem and virtualenv anew
 #
 # Needs root (chroot, mounts, binfmt_misc) and the checkout's .venv (`make venv`): its pip
@@ -27,8 +30,9 @@ MIRRORS=(
 # the agent's side), the broker the event tests start, `ip` for the network tests.
 TARGET_PKGS=(python3 python3-venv python3-pyverbs rdma-core ibverbs-providers mosquitto
     ca-certificates iproute2)
-# On the host: the emulator, the root filesystem builder and its foreign-arch check.
-HOST_PKGS=(qemu-user-static mmdebstrap arch-test)
+# On the host: the emulator, the root filesystem builder and its foreign-arch check; the
+# system emulator of the arm64 test VM (deploy/testvm/testvm.py --arch arm64).
+HOST_PKGS=(qemu-user-static mmdebstrap arch-test qemu-system-arm)
 # Test runners besides the [project] dependencies (versions pinned by constraints.txt).
 TEST_REQS=(pytest pytest-asyncio hypothesis)
 # Debian 12 has glibc 2.36: manylinux wheels up to that, nothing built from source.
@@ -190,6 +194,7 @@ in_namespace() {
     mount -o remount,bind,ro "$ROOTFS/wheels"
     setup_venv
     local t status=0
+    [ "$MODE" = prepare ] && return 0
     in_chroot "$VENV/bin/python" -c 'import platform, grpc, pyverbs, cryptography
 print(f"aarch64: machine {platform.machine()}, Python {platform.python_version()}, "
       f"grpcio {grpc.__version__}, cryptography {cryptography.__version__}, pyverbs imports")'
@@ -220,9 +225,10 @@ while [ $# -gt 0 ]; do
     case $1 in
         --all) MODE=all ;;
         --shell) MODE=shell ;;
+        --prepare) MODE=prepare ;;
         --rebuild) REBUILD=1 ;;
         --) shift; MODE=args; ARGS=("$@"); break ;;
-        -h|--help) sed -n '2,15s/^# \{0,1\}//p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift
@@ -248,6 +254,13 @@ if [ "$MODE" = tcp ] || [ "$MODE" = all ]; then
         log "not run on arm64: $what: ${item#*|}"
         if [[ $what == *::* ]]; then ARGS+=(--deselect "$what"); else ARGS+=(--ignore "$what"); fi
     done
+fi
+if [ "$MODE" = prepare ]; then
+    unshare --mount --pid --fork --propagation private -- \
+        "$CHECKOUT/deploy/aarch64/run-tests.sh" --in-namespace prepare "$REBUILD" >&2
+    log "root filesystem ready in $(($(now) - T0)) s"
+    echo "$ROOTFS"
+    exit 0
 fi
 log "set-up took $(($(now) - T0)) s; running: pytest ${ARGS[*]}"
 status=0

@@ -18,11 +18,17 @@ tests that need them run in a small QEMU guest instead:
   ``<checkout>/.testvm/out`` is shared read-write at the same absolute path.
 * ``shell`` does the same set-up and gives an interactive shell.
 
+``--arch arm64`` boots an arm64 guest instead (cortex-a72, BlueField-2's core, under
+TCG) on Debian's arm64 kernel, over the arm64 Debian root that
+deploy/aarch64/run-tests.sh builds (the checkout copied to /src; needs root), with the
+same two RDMA nodes, options, output folder and exit codes.
+
 Exit status 125 means the harness itself failed (no boot, timeout, set-up error);
 its reason is one line on stderr, followed by the last console lines.
-The harness is this command line and four modules beside it: vmcommon (paths, errors,
-host tools), vmkernel (the kernel cache and the initramfs), vmguest (what runs in the
-guest) and vmboot (QEMU, the console, the exit status). See deploy/testvm/README.md.
+The harness is this command line and five modules beside it: vmarch (the guest
+architectures, one row each), vmcommon (paths, errors, host tools), vmkernel (the kernel
+cache and the initramfs), vmguest (what runs in the guest) and vmboot (QEMU, the console,
+the exit status). See deploy/testvm/README.md.
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+from vmarch import ARCHES, DEFAULT_ARCH
 from vmboot import boot
 from vmcommon import EXIT_INTERRUPTED, HarnessError, harness_failure, say
-from vmguest import VMOptions
+from vmguest import VMOptions, guest_root
 from vmkernel import fetch
 
 DEFAULT_TIMEOUT = 900.0
@@ -58,8 +65,21 @@ def parse_env(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def add_arch_option(parser: argparse.ArgumentParser) -> None:
+    """--arch, for every subcommand."""
+    parser.add_argument(
+        "--arch",
+        choices=sorted(ARCHES),
+        default=DEFAULT_ARCH,
+        help="the guest's architecture: amd64 over this machine's root; arm64 (cortex-a72, "
+        "BlueField-2's core) over the arm64 root of deploy/aarch64, the checkout copied to "
+        "/src, needs root (default: %(default)s)",
+    )
+
+
 def add_vm_options(parser: argparse.ArgumentParser, timeout: float | None) -> None:
     """Options shared by run and shell."""
+    add_arch_option(parser)
     parser.add_argument(
         "--timeout",
         type=float,
@@ -101,12 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="action", required=True, metavar="{fetch,run,shell}")
-    sub.add_parser(
+    fetch_parser = sub.add_parser(
         "fetch",
         help="download and unpack the kernel, build the initramfs (cached, idempotent)",
         description="Cache Debian's kernel and the initramfs under "
         "${DPU_TESTVM_CACHE:-${XDG_CACHE_HOME:-~/.cache}/dpu-testvm}.",
     )
+    add_arch_option(fetch_parser)
     run = sub.add_parser(
         "run",
         help="boot the VM, run CMD in the checkout, exit with its status",
@@ -135,7 +156,10 @@ def options_from(args: argparse.Namespace) -> VMOptions:
             raise HarnessError("run needs a command: testvm.py run -- CMD ARGS...")
     if args.mem < 256 or args.smp < 1:
         raise HarnessError("--mem must be at least 256 and --smp at least 1")
+    arch = ARCHES[args.arch]
     return VMOptions(
+        arch=arch,
+        root=guest_root(arch),
         command=command,
         env=parse_env(args.env),
         mem_mib=args.mem,
@@ -150,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.action == "fetch":
-            fetch()
+            fetch(ARCHES[args.arch])
             return 0
         return boot(options_from(args))
     except HarnessError as exc:

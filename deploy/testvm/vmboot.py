@@ -17,8 +17,8 @@ from typing import IO, TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-from vmcommon import CHECKOUT, CONSOLE_TAIL_LINES, OUT_DIR, harness_failure, need_tool, say
-from vmguest import END_MARK, GUEST_PATH, START_MARK, VMOptions, quote_env, stage2_script
+from vmcommon import CONSOLE_TAIL_LINES, OUT_DIR, harness_failure, need_tool, say
+from vmguest import END_MARK, GUEST_PATH, START_MARK, GuestRoot, VMOptions, quote_env, stage2_script
 from vmkernel import KernelCache, ensure_cache
 
 ANSI_ESCAPE_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[^\[])")
@@ -40,18 +40,19 @@ def qemu_share(path: Path, tag: str, extra: str = "") -> list[str]:
 
 def qemu_argv(kc: KernelCache, opts: VMOptions, ctl: Path) -> list[str]:
     """The QEMU command line (TCG: KVM hangs in early boot on these machines)."""
+    arch = opts.arch
     console = "" if opts.verbose else " quiet loglevel=3"
     append = (
-        f"console=ttyS0 rdinit=/init panic=-1 mitigations=off edd=off{console} "
+        f"console={arch.console} rdinit=/init panic=-1 {arch.cmdline}{console} "
         f"TESTVM_VERBOSE={int(opts.verbose)}"
     )
     return [
-        need_tool("qemu-system-x86_64", "qemu-system-x86"),
-        *("-accel", "tcg,thread=multi", "-cpu", "max"),
+        need_tool(arch.qemu, arch.qemu_package),
+        *arch.machine,
         *("-m", str(opts.mem_mib), "-smp", str(opts.smp)),
-        *("-nographic", "-vga", "none", "-no-reboot", "-net", "none", "-bios", "qboot.rom"),
+        *("-nographic", "-no-reboot", "-net", "none"),
         *("-kernel", str(kc.boot_image), "-initrd", str(kc.initrd), "-append", append),
-        *qemu_share(Path("/"), "testvm_root", ",readonly=on"),
+        *qemu_share(opts.root.host_dir, "testvm_root", ",readonly=on"),
         *qemu_share(ctl, "testvm_ctl"),
         *qemu_share(OUT_DIR, "testvm_out"),
     ]
@@ -62,9 +63,9 @@ def write_control(ctl: Path, kc: KernelCache, opts: VMOptions) -> None:
     term = os.environ.get("TERM", "vt100") if opts.command is None else "dumb"
     config = quote_env(
         [
-            ("TESTVM_CHECKOUT", str(CHECKOUT)),
-            ("TESTVM_OUT", str(OUT_DIR)),
-            ("TESTVM_PATH", GUEST_PATH),
+            ("TESTVM_CHECKOUT", str(opts.root.checkout)),
+            ("TESTVM_OUT", str(opts.root.out)),
+            ("TESTVM_PATH", opts.root.path_prefix + GUEST_PATH),
             ("TESTVM_TERM", term),
         ]
     )
@@ -72,10 +73,15 @@ def write_control(ctl: Path, kc: KernelCache, opts: VMOptions) -> None:
     (ctl / "stage2.sh").write_text(stage2_script(kc, opts))
 
 
-def precompile() -> None:
-    """Byte-compile the checkout on the host: the guest's root is read-only and slow."""
+def precompile(root: GuestRoot) -> None:
+    """Byte-compile the checkout on the host: the guest's root is read-only and slow.
+
+    The bytecode records the paths the guest sees (the checkout under a foreign root).
+    """
     python = "/usr/bin/python3" if Path("/usr/bin/python3").is_file() else sys.executable
-    argv = [python, "-m", "compileall", "-q", "-j", "0", "-x", COMPILE_EXCLUDE, str(CHECKOUT)]
+    here = root.host_dir / root.checkout.relative_to("/")
+    argv = [python, "-m", "compileall", "-q", "-j", "0", "-x", COMPILE_EXCLUDE]
+    argv += [*(("-d", str(root.checkout)) if here != root.checkout else ()), str(here)]
     proc = subprocess.run(argv, stdout=sys.stderr, check=False)
     if proc.returncode != 0:
         say("warning: compileall reported errors (see above); continuing")
@@ -241,16 +247,17 @@ def read_status(ctl: Path) -> tuple[int | None, str | None]:
 
 def boot(opts: VMOptions) -> int:
     """Boot the VM for one command (or a shell) and return the exit code to use."""
-    kc = ensure_cache()
+    kc = ensure_cache(opts.arch)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    precompile()
+    precompile(opts.root)
     with tempfile.TemporaryDirectory(prefix="testvm-ctl-") as tmp:
         ctl = Path(tmp)
         write_control(ctl, kc, opts)
         argv = qemu_argv(kc, opts, ctl)
         if opts.verbose:
             say(shlex.join(argv))
-        say(f"booting {kc.version} (TCG, {opts.mem_mib} MiB, {opts.smp} CPUs)")
+        where = f"{opts.mem_mib} MiB, {opts.smp} CPUs, root {opts.root.host_dir}"
+        say(f"booting {kc.version} (TCG, {where})")
         console: list[str] = []
         started = True
         if opts.command is None:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from vmcommon import CHECKOUT, OUT_DIR, HarnessError, say
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-from vmcommon import CHECKOUT
-
-if TYPE_CHECKING:
+    from vmarch import Arch
     from vmkernel import KernelCache
 
 REQUIRED_MODULES = ("crc32_generic", "rdma_rxe")
@@ -50,9 +52,46 @@ END_MARK = b"\n@@testvm:end@@"
 
 
 @dataclass(frozen=True)
+class GuestRoot:
+    """The root the guest chroots into, and where the checkout and the output are in it."""
+
+    host_dir: Path  # shared read-only as the guest's /
+    checkout: Path  # the command's working directory, as the guest sees it
+    out: Path  # where the guest mounts <checkout>/.testvm/out (read-write)
+    path_prefix: str = ""  # put in front of PATH
+
+
+def guest_root(arch: Arch) -> GuestRoot:
+    """This machine's root for its own architecture; else build the foreign root first.
+
+    The builder (deploy/aarch64/run-tests.sh --prepare) refreshes the checkout's copy
+    in that root and prints the root's path as its last line of output.
+    """
+    if arch.root_builder is None:
+        return GuestRoot(Path("/"), CHECKOUT, OUT_DIR)
+    say(f"preparing the {arch.name} root: {' '.join(arch.root_builder)}")
+    proc = subprocess.run(
+        arch.root_builder, cwd=CHECKOUT, stdout=subprocess.PIPE, text=True, check=False
+    )
+    lines = proc.stdout.strip().splitlines()
+    host_dir = Path(lines[-1]) if lines else Path()
+    if proc.returncode != 0 or not host_dir.is_absolute() or not host_dir.is_dir():
+        raise HarnessError(
+            f"{' '.join(arch.root_builder)} exited {proc.returncode} without a root "
+            "(its messages are above)"
+        )
+    checkout = Path(arch.root_checkout)
+    out = checkout / OUT_DIR.relative_to(CHECKOUT)
+    (host_dir / out.relative_to("/")).mkdir(parents=True, exist_ok=True)  # the mount point
+    return GuestRoot(host_dir, checkout, out, arch.root_path_prefix)
+
+
+@dataclass(frozen=True)
 class VMOptions:
     """What the guest is asked to do."""
 
+    arch: Arch
+    root: GuestRoot
     command: tuple[str, ...] | None  # None: interactive shell
     env: tuple[tuple[str, str], ...]
     mem_mib: int
@@ -70,7 +109,7 @@ def guest_env(opts: VMOptions) -> list[tuple[str, str]]:
     """Environment of the command in the guest (user --env entries last, so they win)."""
     term = os.environ.get("TERM", "vt100") if opts.command is None else "dumb"
     return [
-        ("PATH", GUEST_PATH),
+        ("PATH", opts.root.path_prefix + GUEST_PATH),
         ("HOME", GUEST_TMP),
         ("TMPDIR", GUEST_TMP),
         ("LANG", "C.UTF-8"),
@@ -88,11 +127,29 @@ def guest_env(opts: VMOptions) -> list[tuple[str, str]]:
     ]
 
 
-def stage2_setup(kc: KernelCache, verbose: bool) -> str:  # noqa: FBT001
-    """Shell that loads the modules and brings up two RDMA nodes: rxe0/veth0, rxe1/veth1."""
+def load_modules(kc: KernelCache) -> str:
+    """Shell that loads the kernel modules, or checks those the initramfs loaded."""
+    if "rdma_rxe" in kc.arch.initrd_modules:  # a root without kmod
+        return f"""for m in {" ".join(REQUIRED_MODULES)}; do
+    [ -d "/sys/module/$m" ] || fail "kernel module $m was not loaded by the initramfs"
+done
+"""
     mods = " ".join(OPTIONAL_MODULES)
+    return f"""MODROOT={shlex.quote(str(kc.root))}
+for m in {" ".join(REQUIRED_MODULES)}; do
+    modprobe -d "$MODROOT" "$m" || fail "cannot load kernel module $m"
+done
+modprobe -a -q -d "$MODROOT" {mods} 2>/dev/null
+for m in {mods}; do
+    [ -d "/sys/module/$m" ] || echo "$m" >> /run/testvm/missing-modules
+done
+"""
+
+
+def stage2_setup(kc: KernelCache, opts: VMOptions) -> str:
+    """Shell that loads the modules and brings up two RDMA nodes: rxe0/veth0, rxe1/veth1."""
     agent_ip, host_ip = RXE_ADDR.split("/", maxsplit=1)[0], HOST_RXE_ADDR.split("/", maxsplit=1)[0]
-    quiet = "" if verbose else "echo '1 4 1 7' > /proc/sys/kernel/printk\n"
+    quiet = "" if opts.verbose else "echo '1 4 1 7' > /proc/sys/kernel/printk\n"
     return f"""set -u
 fail() {{
     echo "$*" > /run/testvm/error
@@ -101,15 +158,7 @@ fail() {{
     exit 1
 }}
 {quiet}hostname testvm
-MODROOT={shlex.quote(str(kc.root))}
-for m in {" ".join(REQUIRED_MODULES)}; do
-    modprobe -d "$MODROOT" "$m" || fail "cannot load kernel module $m"
-done
-modprobe -a -q -d "$MODROOT" {mods} 2>/dev/null
-for m in {mods}; do
-    [ -d "/sys/module/$m" ] || echo "$m" >> /run/testvm/missing-modules
-done
-mount -t configfs configfs /sys/kernel/config 2>/dev/null  # nvmet's interface
+{load_modules(kc)}mount -t configfs configfs /sys/kernel/config 2>/dev/null  # nvmet's interface
 ip link set lo up
 ip link add veth0 type veth peer name veth1 || fail "cannot create veth0/veth1"
 # jumbo frames, as RoCE fabrics run: rxe's active MTU follows the netdev's (4096 here,
@@ -121,7 +170,8 @@ ip link set veth0 up && ip link set veth1 up || fail "cannot bring veth0/veth1 u
 # Both addresses are local, so the kernel would deliver rxe1 -> rxe0 over lo (and 6.1's
 # rxe is not namespace-aware): route each by its output device across the pair instead.
 for dev in all default veth0 veth1; do
-    sysctl -qw net.ipv4.conf.$dev.accept_local=1 net.ipv4.conf.$dev.rp_filter=0 \
+    echo 1 > /proc/sys/net/ipv4/conf/$dev/accept_local \
+        && echo 0 > /proc/sys/net/ipv4/conf/$dev/rp_filter \
         || fail "cannot set accept_local/rp_filter on $dev"
 done
 ip rule add pref 10 oif veth1 lookup 101 && ip rule add pref 11 oif veth0 lookup 100 \
@@ -139,7 +189,7 @@ for dev in {AGENT_DEVICE} {HOST_DEVICE}; do
         sleep 0.1
     done
 done
-cd {shlex.quote(str(CHECKOUT))} || fail "cannot enter the checkout"
+cd {shlex.quote(str(opts.root.checkout))} || fail "cannot enter the checkout"
 """
 
 
@@ -153,15 +203,16 @@ def terminal_size() -> os.terminal_size:
 
 def stage2_script(kc: KernelCache, opts: VMOptions) -> str:
     """The whole stage 2, run by the host's /bin/sh inside the chroot."""
-    script = stage2_setup(kc, opts.verbose) + quote_env(guest_env(opts))
+    script = stage2_setup(kc, opts) + quote_env(guest_env(opts))
     if opts.command is None:
         size = terminal_size()
+        tty = f"/dev/{opts.arch.console}"
         return script + (
-            f"stty -F /dev/ttyS0 rows {size.lines} cols {size.columns} 2>/dev/null\n"
+            f"stty -F {tty} rows {size.lines} cols {size.columns} 2>/dev/null\n"
             "echo 'testvm: rxe0 (agent) on veth0 and rxe1 (host) on veth1 are up;"
             " exit the shell to power the VM off'\n"
             "export PS1='testvm:\\w# '\n"
-            "setsid -c /bin/bash --norc -i <>/dev/ttyS0 >&0 2>&1\n"
+            f"setsid -c /bin/bash --norc -i <>{tty} >&0 2>&1\n"
             'echo "$?" > /run/testvm/rc\n'
         )
     return script + (

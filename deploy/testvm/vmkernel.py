@@ -22,13 +22,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from vmarch import Arch
+
 from vmcommon import HarnessError, cache_root, locked, need_tool, run_tool, say
 
-META_PACKAGE = "linux-image-amd64"
-KERNEL_PACKAGE_RE = re.compile(r"^\s*Depends:\s*(linux-image-(\d[\w.+-]*-amd64))\s*$", re.MULTILINE)
-# Loaded (with their dependencies from modules.dep) by the initramfs before the 9p root.
-BOOT_MODULES = ("virtio_pci", "9pnet_virtio", "9p")
-BUSYBOX = Path("/bin/busybox")
+HOST_BUSYBOX = Path("/bin/busybox")  # the native guest's (apt-packages.txt: busybox-static)
+BUSYBOX_PACKAGE = "busybox-static"
 
 # PID 1 of the guest: busybox sh from the initramfs.  Mounts the 9p root and the
 # shares, chroots into the host's root for stage 2, then powers the guest off.
@@ -97,6 +96,7 @@ sleep 10
 class KernelCache:
     """One unpacked kernel (by version) and its initramfs in the cache."""
 
+    arch: Arch
     version: str
     base: Path
 
@@ -126,6 +126,11 @@ class KernelCache:
         return self.root / "lib" / "modules" / self.version
 
     @property
+    def busybox(self) -> Path:
+        """The initramfs' busybox: the host's, or the foreign architecture's own."""
+        return self.base / "busybox" if self.arch.foreign else HOST_BUSYBOX
+
+    @property
     def initrd(self) -> Path:
         """The harness's own initramfs."""
         return self.base / "initrd.img"
@@ -141,45 +146,91 @@ class KernelCache:
         return self.base / "initrd.sha256"
 
 
-def resolve_kernel_package() -> tuple[str, str]:
-    """Return (package, kernel version) that linux-image-amd64 currently depends on."""
+def apt_options(arch: Arch) -> list[str]:
+    """The apt options for arch: none for the host's own; a private configuration for another.
+
+    The host's sources (/etc/apt/sources.list{,.d}) with the architecture, the package
+    lists and the download cache replaced, so nothing of the host's apt state changes.
+    """
+    if not arch.foreign:
+        return []
+    base = cache_root() / f"apt-{arch.name}"
+    for sub in ("lists/partial", "archives/partial"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    (base / "status").touch()
+    settings = {
+        "APT::Architecture": arch.name,
+        "APT::Architectures::": arch.name,
+        "Dir::State::Lists": str(base / "lists"),
+        "Dir::State::status": str(base / "status"),
+        "Dir::Cache": str(base),
+        "Debug::NoLocking": "1",
+    }
+    return [arg for key, value in settings.items() for arg in ("-o", f"{key}={value}")]
+
+
+def apt_update(arch: Arch) -> None:
+    """Fetch the package lists of a foreign architecture into its private apt state."""
+    if arch.foreign:
+        say(f"apt-get update for {arch.name} (private lists under {cache_root()}) ...")
+        argv = [need_tool("apt-get", "apt"), "-q", *apt_options(arch), *sandbox_options()]
+        run_tool([*argv, "update"], f"apt-get update ({arch.name})")
+
+
+def sandbox_options() -> list[str]:
+    """Root's apt drops to _apt for downloads, which cannot write into our directories."""
+    return ["-o", "APT::Sandbox::User=root"] if os.geteuid() == 0 else []
+
+
+def resolve_kernel_package(arch: Arch) -> tuple[str, str]:
+    """Return (package, kernel version) that linux-image-<arch> currently depends on."""
+    meta = arch.meta_package
     out = run_tool(
-        [need_tool("apt-cache", "apt"), "depends", META_PACKAGE],
-        f"apt-cache depends {META_PACKAGE}",
+        [need_tool("apt-cache", "apt"), *apt_options(arch), "depends", meta],
+        f"apt-cache depends {meta}",
     )
-    match = KERNEL_PACKAGE_RE.search(out)
+    pattern = rf"^\s*Depends:\s*(linux-image-(\d[\w.+-]*-{re.escape(arch.name)}))\s*$"
+    match = re.search(pattern, out, re.MULTILINE)
     if not match:
         raise HarnessError(
-            f"cannot resolve the kernel package from '{META_PACKAGE}' (run 'apt-get update' first?)"
+            f"cannot resolve the kernel package from '{meta}' (run 'apt-get update' first?)"
         )
     return match.group(1), match.group(2)
 
 
-def apt_download(package: str, dest: Path) -> Path:
+def apt_download(arch: Arch, package: str, dest: Path) -> Path:
     """Download one .deb into dest with apt-get download and return its path."""
-    argv = [need_tool("apt-get", "apt"), "-q", "download", package]
-    if os.geteuid() == 0:
-        argv[2:2] = ["-o", "APT::Sandbox::User=root"]  # _apt cannot write into our dir
-    run_tool(argv, f"apt-get download {package}", cwd=dest)
+    argv = [need_tool("apt-get", "apt"), "-q", *apt_options(arch), *sandbox_options()]
+    run_tool([*argv, "download", package], f"apt-get download {package}", cwd=dest)
     debs = sorted(dest.glob(f"{package}_*.deb"))
     if not debs:
         raise HarnessError(f"apt-get download {package} produced no .deb in {dest}")
     return debs[-1]
 
 
-def unpack_kernel(package: str, version: str, dest: Path) -> None:
-    """Download, dpkg -x and depmod the kernel package into dest/root."""
+def unpack_kernel(arch: Arch, package: str, version: str, dest: Path) -> None:
+    """Download, dpkg -x and depmod the kernel package into dest/root (and busybox)."""
     say(f"downloading {package} (apt-get download) ...")
-    deb = apt_download(package, dest)
+    deb = apt_download(arch, package, dest)
     say(f"unpacking {deb.name} (dpkg -x, no install) ...")
     root = dest / "root"
     run_tool([need_tool("dpkg", "dpkg"), "-x", str(deb), str(root)], "dpkg -x")
     deb.unlink()
-    staged = KernelCache(version, dest)
+    staged = KernelCache(arch, version, dest)
+    if arch.foreign:
+        unpack_busybox(arch, staged)
     if not staged.vmlinuz.is_file() or not staged.moddir.is_dir():
         raise HarnessError(f"{package} has no {staged.vmlinuz.name} or modules/{version}")
     say(f"depmod -b {root} {version} ...")
     run_tool([need_tool("depmod", "kmod"), "-b", str(root), version], "depmod")
+
+
+def unpack_busybox(arch: Arch, kc: KernelCache) -> None:
+    """The foreign architecture's static busybox, out of its busybox-static package."""
+    with tempfile.TemporaryDirectory(dir=kc.base) as tmp:
+        deb = apt_download(arch, BUSYBOX_PACKAGE, Path(tmp))
+        run_tool([need_tool("dpkg", "dpkg"), "-x", str(deb), tmp], "dpkg -x")
+        shutil.copyfile(Path(tmp) / "bin" / "busybox", kc.busybox)
 
 
 def ensure_kernel(kc: KernelCache, package: str) -> None:
@@ -189,7 +240,7 @@ def ensure_kernel(kc: KernelCache, package: str) -> None:
         return
     staging = Path(tempfile.mkdtemp(prefix=f".{kc.version}.", dir=kc.base.parent))
     try:
-        unpack_kernel(package, kc.version, staging)
+        unpack_kernel(kc.arch, package, kc.version, staging)
         (staging / "kernel.ok").write_text(f"{package}\n")
         if kc.base.exists():
             shutil.rmtree(kc.base)
@@ -199,9 +250,12 @@ def ensure_kernel(kc: KernelCache, package: str) -> None:
             shutil.rmtree(staging)
 
 
-def cached_kernels(root: Path) -> list[KernelCache]:
-    """Complete kernels in the cache, newest version last."""
-    found = [KernelCache(stamp.parent.name, stamp.parent) for stamp in root.glob("*/kernel.ok")]
+def cached_kernels(root: Path, arch: Arch) -> list[KernelCache]:
+    """Complete kernels of arch in the cache, newest version last."""
+    found = [
+        KernelCache(arch, stamp.parent.name, stamp.parent)
+        for stamp in root.glob(f"*-{arch.name}/kernel.ok")
+    ]
     return sorted(found, key=lambda kc: version_key(kc.version))
 
 
@@ -235,8 +289,8 @@ def extract_vmlinux(vmlinuz: Path, dest: Path) -> bool:
 
 
 def ensure_vmlinux(kc: KernelCache) -> None:
-    """Extract the ELF kernel once (falls back to booting the bzImage)."""
-    if kc.vmlinux.is_file():
+    """Extract the ELF kernel once (falls back to booting the bzImage); amd64 only."""
+    if kc.vmlinux.is_file() or kc.arch.name != "amd64":
         return
     say(f"decompressing {kc.vmlinuz.name} to {kc.vmlinux} ...")
     if not extract_vmlinux(kc.vmlinuz, kc.vmlinux):
@@ -353,22 +407,22 @@ class CpioWriter:
         return b"".join(self._chunks)
 
 
-def initrd_digest(modules: Sequence[Path]) -> str:
+def initrd_digest(kc: KernelCache, modules: Sequence[Path]) -> str:
     """Digest of everything the initramfs is made of, to know when to rebuild it."""
     digest = hashlib.sha256(INIT_SCRIPT.encode())
-    digest.update(BUSYBOX.read_bytes())
+    digest.update(kc.busybox.read_bytes())
     for module in modules:
         digest.update(module.name.encode())
     return digest.hexdigest()
 
 
 def build_initrd(kc: KernelCache, modules: Sequence[Path]) -> bytes:
-    """Return a gzip'd cpio with busybox, /init and the 9p boot modules."""
+    """Return a gzip'd cpio with busybox, /init and the boot modules."""
     cpio = CpioWriter()
     for directory in ("bin", "dev", "proc", "sys", "newroot", "ctl", "modules"):
         cpio.directory(directory)
     cpio.chardev("dev/console", 5, 1)
-    cpio.file("bin/busybox", BUSYBOX.read_bytes(), 0o755)
+    cpio.file("bin/busybox", kc.busybox.read_bytes(), 0o755)
     cpio.file("init", INIT_SCRIPT.encode(), 0o755)
     for index, module in enumerate(modules):
         cpio.file(f"modules/{index:02d}-{module_name(module.name)}.ko", module_bytes(module))
@@ -378,10 +432,11 @@ def build_initrd(kc: KernelCache, modules: Sequence[Path]) -> bytes:
 
 def ensure_initrd(kc: KernelCache) -> None:
     """(Re)build the initramfs if it is missing or its inputs changed."""
-    if not BUSYBOX.is_file() or not is_static_elf(BUSYBOX):
-        raise HarnessError(f"{BUSYBOX} is missing or not static: apt-get install busybox-static")
-    modules = boot_module_paths(kc.moddir, BOOT_MODULES)
-    digest = initrd_digest(modules)
+    busybox = kc.busybox
+    if not busybox.is_file() or not is_static_elf(busybox):
+        raise HarnessError(f"{busybox} is missing or not static: apt-get install busybox-static")
+    modules = boot_module_paths(kc.moddir, kc.arch.initrd_modules)
+    digest = initrd_digest(kc, modules)
     stamp = kc.initrd_stamp
     if kc.initrd.is_file() and stamp.is_file() and stamp.read_text().strip() == digest:
         return
@@ -392,13 +447,14 @@ def ensure_initrd(kc: KernelCache) -> None:
     kc.initrd_stamp.write_text(digest + "\n")
 
 
-def fetch() -> KernelCache:
-    """Make sure the newest kernel that apt knows of and its initramfs are cached."""
+def fetch(arch: Arch) -> KernelCache:
+    """Make sure the newest kernel of arch that apt knows of and its initramfs are cached."""
     root = cache_root()
+    apt_update(arch)
     say("resolving the kernel package with apt-cache ...")
-    package, version = resolve_kernel_package()
+    package, version = resolve_kernel_package(arch)
     say(f"kernel package: {package}")
-    kc = KernelCache(version, root / version)
+    kc = KernelCache(arch, version, root / version)
     with locked(root / ".lock"):
         ensure_kernel(kc, package)
         ensure_vmlinux(kc)
@@ -407,13 +463,13 @@ def fetch() -> KernelCache:
     return kc
 
 
-def ensure_cache() -> KernelCache:
-    """Return the newest cached kernel, fetching one if the cache is empty."""
+def ensure_cache(arch: Arch) -> KernelCache:
+    """Return the newest cached kernel of arch, fetching one if there is none."""
     root = cache_root()
-    kernels = cached_kernels(root) if root.is_dir() else []
+    kernels = cached_kernels(root, arch) if root.is_dir() else []
     if not kernels:
-        say(f"no kernel cached in {root}: fetching one (once) ...")
-        return fetch()
+        say(f"no {arch.name} kernel cached in {root}: fetching one (once) ...")
+        return fetch(arch)
     kc = kernels[-1]
     with locked(root / ".lock"):
         ensure_vmlinux(kc)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.hook.pytest_deselected(items=vm_only)
     items[:] = [item for item in items if not item.path.is_relative_to(SUITE_DIR)]
     config.stash[_NOT_RUN] = len(vm_only)
+
+
+def pytest_report_header() -> str | None:
+    """Which machine and which two RDMA nodes the suite runs on (an arm64 guest says so)."""
+    if not _run_here():
+        return None
+    host = HOST_DEVICE or PREFERRED_DEVICE
+    return f"rdma nodes: agent {PREFERRED_DEVICE}, host {host}; machine {platform.machine()}"
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
