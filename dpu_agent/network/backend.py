@@ -76,7 +76,7 @@ class FlowBackend(abc.ABC):
     def installed(self) -> list[InstalledRule]:
         """Every rule in the datapath on managed ports, the agent's and others'."""
 
-    def remember(self, rule_ids: Iterable[str]) -> None:  # noqa: B027 - optional
+    def remember(self, rules: Iterable[FlowRule]) -> None:  # noqa: B027 - optional
         """Rules an earlier process of the agent installed, so `installed()` can name them."""
 
     def close(self) -> None:  # noqa: B027 - optional

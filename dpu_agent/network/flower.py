@@ -26,6 +26,7 @@ The mapping (see `tc_backend` for where filters go):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import socket
 import struct
@@ -355,7 +356,25 @@ def _actions(actions: Sequence[Action], ifindex: Mapping[str, int], cookie: byte
     return nl.nest(TCA_FLOWER_ACT, encoded)
 
 
-def _skip_flags(policy: OffloadPolicy) -> int:
+@functools.lru_cache(maxsize=1024)
+def _actions_around_cookie(
+    actions: tuple[Action, ...], targets: tuple[tuple[str, int], ...]
+) -> tuple[bytes, bytes]:
+    """The encoded actions before and after the cookie's 16 bytes (rules share these)."""
+    zeros = _actions(actions, dict(targets), bytes(16))
+    ones = _actions(actions, dict(targets), b"\x01" * 16)
+    at = next(i for i, (a, b) in enumerate(zip(zeros, ones, strict=True)) if a != b)
+    return zeros[:at], zeros[at + 16 :]
+
+
+def encode_actions(actions: Sequence[Action], ifindex: Mapping[str, int], cookie: bytes) -> bytes:
+    """The TCA_FLOWER_ACT attribute of a rule's actions, its cookie on the first."""
+    before, after = _actions_around_cookie(tuple(actions), tuple(sorted(ifindex.items())))
+    return before + cookie + after
+
+
+def skip_flags(policy: OffloadPolicy) -> int:
+    """The flower flags of an offload policy (not ANY: the caller resolves it)."""
     if policy is OffloadPolicy.HARDWARE_ONLY:
         return TCA_CLS_FLAGS_SKIP_SW
     if policy is OffloadPolicy.SOFTWARE_ONLY:
@@ -363,18 +382,56 @@ def _skip_flags(policy: OffloadPolicy) -> int:
     return 0
 
 
+# Mask attributes: each follows its key attribute (see `_prefix`).
+MASK_KEYS: Final = frozenset(
+    kind + 1
+    for kind in (
+        TCA_FLOWER_KEY_IPV4_SRC,
+        TCA_FLOWER_KEY_IPV4_DST,
+        TCA_FLOWER_KEY_IPV6_SRC,
+        TCA_FLOWER_KEY_IPV6_DST,
+    )
+)
+
+
+def mask_group(protocol: int, flags: int, keys: bytes) -> tuple[object, ...]:
+    """What filters must share to share a pref: protocol, skip flags and the mask.
+
+    The mask is which keys are present and the value of every mask attribute; the
+    other keys are exact matches (a full mask) when present.
+    """
+    attrs = nl.parse_attrs(keys)
+    mask = tuple(
+        sorted((kind, value if kind in MASK_KEYS else b"") for kind, value in attrs.items())
+    )
+    return (protocol, flags, mask)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledFilter:
-    """One flower filter: where it goes on a port's ingress hook, and its options."""
+    """One flower filter: where it goes on a port's ingress hook, and its options.
+
+    `handle` is the rule's priority (`parse_filter` reads it back), `pref` where the
+    filter goes (`layout` may put several rules in one), `group` what filters sharing
+    a pref must have in common and `key` the match, which they must not share.
+    """
 
     pref: int
     protocol: int
     options: bytes  # TCA_OPTIONS payload: flags, keys, actions
     chain: int = 0
+    handle: int = 0
+    group: tuple[object, ...] = ()
+    key: bytes = b""
+    cookie: bytes = b""
 
-    def new_request(self, ifindex: int) -> bytes:
-        """The body of the RTM_NEWTFILTER that adds this filter to `ifindex`'s ingress."""
-        body = nl.tcmsg(ifindex, 0, nl.INGRESS_PARENT, nl.tc_info(self.pref, self.protocol))
+    def new_request(self, ifindex: int, pref: int | None = None) -> bytes:
+        """The body of the RTM_NEWTFILTER that adds this filter to `ifindex`'s ingress.
+
+        At `pref` if given, else at its own.
+        """
+        info = nl.tc_info(self.pref if pref is None else pref, self.protocol)
+        body = nl.tcmsg(ifindex, self.handle, nl.INGRESS_PARENT, info)
         body += nl.string(nl.TCA_KIND, "flower")
         if self.chain:
             body += nl.u32(nl.TCA_CHAIN, self.chain)
@@ -383,7 +440,7 @@ class CompiledFilter:
 
 def action_ports(actions: Iterable[Action]) -> list[str]:
     """The ports a rule's forwards and mirrors send to."""
-    return [a.port for a in actions if isinstance(a, Forward | Mirror)]
+    return [a.port for a in actions if isinstance(a, (Forward, Mirror))]
 
 
 def compile_rule(
@@ -403,12 +460,18 @@ def compile_rule(
         check_rule(rule)
     protocol, keys = flower_match(rule.match)
     policy = default_offload if rule.offload is OffloadPolicy.ANY else rule.offload
-    options = (
-        nl.u32(TCA_FLOWER_FLAGS, _skip_flags(policy))
-        + keys
-        + _actions(rule.actions, targets, rule_cookie(rule.rule_id))
+    flags = skip_flags(policy)
+    cookie = rule_cookie(rule.rule_id)
+    options = nl.u32(TCA_FLOWER_FLAGS, flags) + keys + encode_actions(rule.actions, targets, cookie)
+    return CompiledFilter(
+        pref=rule.priority,
+        protocol=protocol,
+        options=options,
+        handle=rule.priority,
+        group=mask_group(protocol, flags, keys),
+        key=keys,
+        cookie=cookie,
     )
-    return CompiledFilter(pref=rule.priority, protocol=protocol, options=options)
 
 
 def delete_request(ifindex: int, f: Filter) -> bytes:

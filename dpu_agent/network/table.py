@@ -79,7 +79,7 @@ class FlowTable:
         """Load the saved rules and make the datapath hold them again."""
         with self._lock:
             saved = self._store.load()
-            self._backend.remember(r.rule_id for r in saved)
+            self._backend.remember(saved)
             installed = self._backend.installed()
             ours = {(i.ingress_port, i.priority): i.rule_id for i in installed}
             reapplied, present, failed = [], [], []

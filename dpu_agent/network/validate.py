@@ -83,9 +83,13 @@ def check_rule(rule: FlowRule, ports: Collection[str] | None = None) -> None:
 
 def l3_ethertype(m: FlowMatch) -> int | None:
     """The ethertype a valid match selects below any VLAN tag (given, or implied by its IPs)."""
-    versions = {net.version for net in (m.src_ip, m.dst_ip) if net is not None}
-    implied = IP_ETHERTYPES[next(iter(versions))] if len(versions) == 1 else None
-    return m.ethertype if m.ethertype is not None else implied
+    if m.ethertype is not None:
+        return m.ethertype
+    src, dst = m.src_ip, m.dst_ip
+    if src is None or dst is None:
+        net = src if dst is None else dst
+        return None if net is None else IP_ETHERTYPES[net.version]
+    return IP_ETHERTYPES[src.version] if src.version == dst.version else None
 
 
 def check_match(m: FlowMatch) -> None:

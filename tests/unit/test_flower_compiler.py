@@ -161,7 +161,8 @@ def test_the_filter_request_and_a_dumped_filter_read_back():
     compiled = flower.compile_rule(rule(match=FlowMatch(dst_ip=net("10.1.0.0/16"))), IFINDEX)
     body = compiled.new_request(11)
     family, ifindex, handle, parent, info = nl.TCMSG.unpack_from(body)
-    assert (family, ifindex, handle, parent) == (socket.AF_UNSPEC, 11, 0, nl.INGRESS_PARENT)
+    # the handle is the rule's priority, the pref (until the layout groups it) too
+    assert (family, ifindex, handle, parent) == (socket.AF_UNSPEC, 11, 7, nl.INGRESS_PARENT)
     assert info == nl.tc_info(7, flower.ETH_P_IP)
     dumped = nl.message(nl.RTM_NEWTFILTER, 0, 1, nl.tcmsg(11, 1, nl.INGRESS_PARENT, info))
     dumped += body[nl.TCMSG.size :]
@@ -201,3 +202,37 @@ def test_the_compiler_refuses_what_the_service_refuses(bad):
 def test_a_burst_too_long_for_tc_is_refused():
     with pytest.raises(InvalidArgument, match="lasts too long"):
         flower.compile_rule(rule(actions=(Police(8, (1 << 32) - 1),)), IFINDEX)
+
+
+def test_rules_share_a_mask_group_when_only_their_key_values_differ():
+    def group(match: FlowMatch, offload: OffloadPolicy = OffloadPolicy.ANY) -> tuple[object, ...]:
+        return flower.compile_rule(rule(match=match, offload=offload), IFINDEX).group
+
+    a = group(FlowMatch(dst_ip=net("10.1.0.1/32")))
+    assert a == group(FlowMatch(dst_ip=net("10.9.9.9/32")))
+    assert a != group(FlowMatch(dst_ip=net("10.1.0.0/24")))  # another mask
+    assert a != group(FlowMatch(src_ip=net("10.1.0.1/32")))  # another key
+    assert a != group(FlowMatch(dst_ip=net("2001:db8::1/128")))  # another protocol
+    assert a != group(FlowMatch(dst_ip=net("10.1.0.1/32")), OffloadPolicy.SOFTWARE_ONLY)
+    udp = group(FlowMatch(ethertype=0x0800, ip_protocol=17, dst_port=53))
+    assert udp == group(FlowMatch(ethertype=0x0800, ip_protocol=17, dst_port=54))
+    assert udp != group(
+        FlowMatch(ethertype=0x0800, ip_protocol=6, dst_port=53)
+    )  # tcp ports: other keys
+    assert udp != group(FlowMatch(ethertype=0x0800, ip_protocol=17))
+
+
+@pytest.mark.parametrize(
+    "actions",
+    [
+        (Forward("rep2"),),
+        (Drop(),),
+        (Count(), Police(rate_bps=8_000_000, burst_bytes=10_000), Forward("rep2")),
+        (VlanPush(vlan_id=7), Mirror("rep2"), Forward("rep2")),
+    ],
+)
+def test_actions_encoded_from_a_shared_template_are_byte_for_byte_the_same(actions):
+    for cookie in (flower.rule_cookie("a"), flower.rule_cookie("b"), bytes(16)):
+        assert flower.encode_actions(actions, IFINDEX, cookie) == flower._actions(
+            actions, IFINDEX, cookie
+        )

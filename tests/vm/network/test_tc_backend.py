@@ -304,7 +304,7 @@ def test_installed_tells_ours_from_others(backend):
     with TcFlowBackend(("rep*",), netns="dpu") as restarted:
         marker = "cookie:" + rule_cookie("ours-1").hex()
         assert InstalledRule("rep3", 5, marker) in restarted.installed()
-        restarted.remember(["ours-1"])
+        restarted.remember([rule])
         assert InstalledRule("rep3", 5, "ours-1") in restarted.installed()
         assert restarted.counters(rule).packets == 0
         restarted.remove(rule)
