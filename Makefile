@@ -1,6 +1,7 @@
 # The project's contract (see README):
 #   make demo   set up from a fresh machine, then the product's story (scripts/demo.sh)
-#   make test   set up, lint, host suites, then the soft-RoCE VM suite (fails if it skipped)
+#   make test   set up, lint, host suites, the container image and its tests, then the
+#               soft-RoCE VM suite (fails if it skipped)
 #   make bench  benchmarks, then the report: bench/REPORT.md, bench/results/report.json
 #   make lint   ruff, ruff format --check, mypy --strict, stale generated-code check, deploy files,
 #               every MUST of docs/data-plane.md has a conformance row
@@ -14,17 +15,19 @@ PY     := $(VENV)/bin/python
 TESTVM := /usr/bin/python3 deploy/testvm/testvm.py
 LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench
 VM_JUNIT := .testvm/out/junit-vm.xml
+VM_IMAGE_ARCHIVE := .testvm/out/dpu-agent.tar  # the agent's image, for tests/vm/test_container_verbs.py
 # The core RDMA subset the arm64 guest runs (BlueField's ISA): raw RC QPs with 1 MiB
 # WRITE/READ, the verbs transport, 1000 mixed jobs through a real agent, volume I/O,
 # the agent SIGKILLed mid-jobs and with acknowledged writes in flight.
 A64_JUNIT := .testvm/out/junit-aarch64-rdma.xml
+CONTAINER_JUNIT := .testvm/out/junit-container.xml
 A64_RDMA_TESTS := tests/vm/test_rdma_rxe.py tests/vm/test_verbs_transport.py \
     tests/vm/test_dataplane_verbs.py::test_1000_mixed_jobs_over_rxe \
     tests/vm/test_dataplane_verbs.py::test_volume_round_trips_over_rxe \
     tests/vm/test_dataplane_verbs.py::test_agent_killed_mid_jobs_fails_them_and_a_new_session_works \
     tests/vm/test_dataplane_verbs.py::test_acknowledged_writes_survive_sigkill_over_rxe
 
-.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 test-aarch64-rdma vm-fetch demo demo-rdma bench clean
+.PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 test-aarch64-rdma image test-container lab vm-fetch demo demo-rdma bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
@@ -65,16 +68,34 @@ test-aarch64-rdma: venv  ## the core RDMA subset in an arm64 guest (cortex-a72, 
 	    -p no:cacheprovider -p no:hypothesispytest -v --durations=10 --junitxml=/src/$(A64_JUNIT)
 	/usr/bin/python3 deploy/testvm/check_junit.py $(A64_JUNIT) --min-tests 60
 
+image: venv  ## build the agent's image with podman, no network in the build (deploy/container/build.sh; root)
+	deploy/container/build.sh
+
+lab: venv  ## the soft-RoCE container lab on a host with rdma_rxe: make lab NETDEV=eth0 (deploy/container/lab.sh)
+	deploy/container/lab.sh up $(NETDEV)
+
+test-container: venv  ## build the amd64 and arm64 images, run the agent in them, test from outside (root)
+	@mkdir -p $(dir $(CONTAINER_JUNIT)) && rm -f $(CONTAINER_JUNIT)
+	IMAGE=$$(deploy/container/build.sh | tail -n 1) && \
+	    ARM64=$$(deploy/container/build.sh --arch arm64 | tail -n 1) && \
+	    DPU_CONTAINER_IMAGE=$$IMAGE DPU_CONTAINER_IMAGE_ARM64=$$ARM64 \
+	    $(PY) -m pytest tests/container -v --junitxml=$(CONTAINER_JUNIT)
+	/usr/bin/python3 deploy/testvm/check_junit.py $(CONTAINER_JUNIT) --min-tests 6
+
 vm-fetch: venv  ## download and cache the test VM's kernel and initramfs
 	$(TESTVM) fetch
 
-test-vm: venv  ## the RDMA suite inside the soft-RoCE test VM; fails if it skipped or ran nothing
-	@mkdir -p $(dir $(VM_JUNIT)) && rm -f $(VM_JUNIT)
-	$(TESTVM) run --timeout 2700 -- $(PY) -m pytest tests/vm -p no:cacheprovider -p no:hypothesispytest -v --durations=20 \
+test-vm: venv  ## the RDMA suite inside the soft-RoCE test VM (with the agent's image); fails if it skipped or ran nothing
+	@mkdir -p $(dir $(VM_JUNIT)) && rm -f $(VM_JUNIT) $(VM_IMAGE_ARCHIVE)
+	IMAGE=$$(deploy/container/build.sh | tail -n 1) && \
+	    podman --runtime runc --cgroup-manager cgroupfs save --quiet -o $(VM_IMAGE_ARCHIVE) $$IMAGE && \
+	    $(TESTVM) run --timeout 2700 --mem 3072 --env DPU_CONTAINER_IMAGE=$$IMAGE \
+	    --env DPU_CONTAINER_ARCHIVE=$(CURDIR)/$(VM_IMAGE_ARCHIVE) -- \
+	    $(PY) -m pytest tests/vm -p no:cacheprovider -p no:hypothesispytest -v --durations=20 \
 	    --junitxml=$(VM_JUNIT)
 	/usr/bin/python3 deploy/testvm/check_junit.py $(VM_JUNIT) --min-tests 1
 
-test: lint test-host test-vm  ## everything: set-up, lint, host suites, VM suite
+test: lint test-host test-container test-vm  ## everything: set-up, lint, host suites, the container, VM suite
 
 demo: venv  ## the story: mTLS agent + mosquitto, a volume round trip, compute, events, metrics, tenants
 	@scripts/demo.sh

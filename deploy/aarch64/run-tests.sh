@@ -11,6 +11,8 @@
 #   deploy/aarch64/run-tests.sh --prepare    build what is missing, refresh /src, print the
 #                                            root's path: the arm64 test VM boots it
 #                                            (deploy/testvm/testvm.py run --arch arm64)
+#   deploy/aarch64/run-tests.sh --binfmt     only install the emulator and register it
+#                                            (deploy/container/build.sh --arch arm64)
 #   --rebuild                                build the root filesystem and virtualenv anew
 #
 # Needs root (chroot, mounts, binfmt_misc) and the checkout's .venv (`make venv`): its pip
@@ -226,9 +228,10 @@ while [ $# -gt 0 ]; do
         --all) MODE=all ;;
         --shell) MODE=shell ;;
         --prepare) MODE=prepare ;;
+        --binfmt) MODE=binfmt ;;
         --rebuild) REBUILD=1 ;;
         --) shift; MODE=args; ARGS=("$@"); break ;;
-        -h|--help) sed -n '2,18s/^# \{0,1\}//p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,20s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift
@@ -239,6 +242,7 @@ done
 T0=$(now)
 install_host_packages
 register_binfmt
+if [ "$MODE" = binfmt ]; then exit 0; fi
 download_wheels
 build_rootfs
 copy_interpreter_if_needed

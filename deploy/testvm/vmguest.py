@@ -38,6 +38,7 @@ OPTIONAL_MODULES = (
     "nbd",
     "cls_matchall",
     "ext4",
+    "overlay",  # podman's storage for the containerised agent (tests/vm/test_container_verbs.py)
 )
 GUEST_TMP = "/tmp"  # noqa: S108 - the guest's own fresh tmpfs
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -159,6 +160,7 @@ fail() {{
 }}
 {quiet}hostname testvm
 {load_modules(kc)}mount -t configfs configfs /sys/kernel/config 2>/dev/null  # nvmet's interface
+mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null  # podman's runc needs a cgroup mount
 ip link set lo up
 ip link add veth0 type veth peer name veth1 || fail "cannot create veth0/veth1"
 # jumbo frames, as RoCE fabrics run: rxe's active MTU follows the netdev's (4096 here,

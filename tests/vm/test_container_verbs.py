@@ -1,0 +1,142 @@
+"""The agent's container image serving a verbs session over rxe0, in the test VM.
+
+`make test-vm` saves the image `deploy/container/build.sh` built to
+`.testvm/out/dpu-agent.tar` and names it in $DPU_CONTAINER_ARCHIVE and
+$DPU_CONTAINER_IMAGE. Here podman (runc, its storage on the guest's tmpfs, overlay)
+loads it and runs the agent with the agent's node only: `--device` of rxe0's uverbs
+node and an unlimited memlock limit, as deploy/README.md tells users. The SDK, outside
+the container on the host's node (rxe1), opens a verbs session and checks every byte.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+import host_client
+from tests.integration.mqtt_broker import free_port
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from tests.vm.conftest import RdmaPort
+
+pytestmark = [pytest.mark.rdma, pytest.mark.asyncio]
+
+STORE = "/tmp/containers"  # noqa: S108 - the guest's own tmpfs
+PODMAN = (
+    *("podman", "--root", STORE, "--runroot", "/run/containers"),
+    *("--runtime", "runc", "--cgroup-manager", "cgroupfs", "--storage-driver", "overlay"),
+)
+LIMITS = ("--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024")
+CONFIG = """\
+[agent]
+listen = "127.0.0.1:{port}"
+grace_period = 10.0
+[dataplane]
+transports = "verbs"
+rdma_device = "{device}"
+[storage]
+backend = "file"
+[network]
+backend = "none"
+[mqtt]
+enabled = false
+[metrics]
+listen = ""
+[tls]
+plaintext_loopback = true
+"""
+
+
+def podman(*args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [*PODMAN, *args], capture_output=True, text=True, check=False, timeout=timeout
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args[:2])} failed: {result.stderr[-2000:]}")
+    return result
+
+
+def uverbs_node(device: str) -> str:
+    """The /dev/infiniband/uverbsN of an RDMA device."""
+    for node in Path("/sys/class/infiniband_verbs").glob("uverbs*"):
+        if (node / "ibdev").read_text().strip() == device:
+            return f"/dev/infiniband/{node.name}"
+    raise AssertionError(f"no uverbs node for {device}")
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """The image, loaded into the guest's podman storage."""
+    archive = os.environ.get("DPU_CONTAINER_ARCHIVE", "")
+    name = os.environ.get("DPU_CONTAINER_IMAGE", "")
+    if not archive or not name:
+        pytest.skip("no $DPU_CONTAINER_ARCHIVE/$DPU_CONTAINER_IMAGE: `make test-vm` sets them")
+    podman("load", "--input", archive)
+    return name
+
+
+@pytest.fixture
+def agent_in_container(
+    image: str, rdma_port: RdmaPort, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The containerised agent on the agent's node; yields its gRPC address."""
+    base = tmp_path_factory.mktemp("container")
+    state = base / "state"
+    state.mkdir()
+    os.chown(state, 10001, 10001)
+    port = free_port()
+    config = base / "agent.toml"
+    config.write_text(CONFIG.format(port=port, device=rdma_port.device))
+    config.chmod(0o644)
+    name = f"dpu-vm-{uuid.uuid4().hex[:8]}"
+    podman(
+        *("run", "--detach", "--name", name, "--network", "host", *LIMITS),
+        *("--device", uverbs_node(rdma_port.device), "--ulimit", "memlock=-1:-1"),
+        *("-v", f"{state}:/var/lib/dpu-agent", "-v", f"{config}:/etc/dpu-agent/agent.toml:ro"),
+        image,
+        *("serve", "--config", "/etc/dpu-agent/agent.toml"),
+        *("--ready-file", "/var/lib/dpu-agent/ready"),
+    )
+    deadline = time.monotonic() + 180
+    while not (state / "ready").exists():
+        logs = subprocess.run(
+            [*PODMAN, "logs", name], capture_output=True, text=True, check=False
+        ).stdout
+        running = podman("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
+        assert running == "true", f"the agent's container stopped:\n{logs}"
+        assert time.monotonic() < deadline, f"the agent did not start:\n{logs}"
+        time.sleep(0.5)
+    try:
+        yield f"127.0.0.1:{port}"
+        podman("stop", "--time", "30", name)
+        code = podman("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
+        assert code == "0", podman("logs", name).stdout
+    finally:
+        subprocess.run([*PODMAN, "rm", "--force", name], capture_output=True, check=False)
+
+
+async def test_a_verbs_session_into_the_containerised_agent(agent_in_container, host_port):
+    async with host_client.Client(agent_in_container, timeout=60) as client:
+        info = await client.agent_info()
+        assert list(info.transports) == [1]  # verbs only
+        async with await client.open_session(
+            transport="verbs", rdma_device=host_port.device
+        ) as session:
+            size = 1 << 20
+            src = await session.alloc(size, readable=True)
+            dst = await session.alloc(size, writable=True)
+            src.view[:] = os.urandom(size)
+            for offset in range(0, size, 256 << 10):
+                job = await session.submit_copy(
+                    src[offset : offset + (256 << 10)], dst[offset : offset + (256 << 10)]
+                )
+                assert (await job).ok
+            assert bytes(dst.view) == bytes(src.view)
