@@ -73,14 +73,16 @@ def uverbs_node(device: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def image() -> str:
+def image() -> Iterator[str]:
     """The image, loaded into the guest's podman storage."""
     archive = os.environ.get("DPU_CONTAINER_ARCHIVE", "")
     name = os.environ.get("DPU_CONTAINER_IMAGE", "")
     if not archive or not name:
         pytest.skip("no $DPU_CONTAINER_ARCHIVE/$DPU_CONTAINER_IMAGE: `make test-vm` sets them")
     podman("load", "--input", archive)
-    return name
+    yield name
+    settle()
+    podman("rmi", "--force", name)  # the guest's tmpfs holds the image: give the memory back
 
 
 @pytest.fixture
@@ -121,6 +123,17 @@ def agent_in_container(
         assert code == "0", podman("logs", name).stdout
     finally:
         subprocess.run([*PODMAN, "rm", "--force", name], capture_output=True, check=False)
+        settle()
+
+
+def settle(timeout: float = 60.0) -> None:
+    """Wait for podman's clean-up processes (conmon runs one after a container exits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = subprocess.run(["pgrep", "-x", "conmon|podman"], capture_output=True, check=False)
+        if busy.returncode != 0:
+            return
+        time.sleep(0.5)
 
 
 async def test_a_verbs_session_into_the_containerised_agent(agent_in_container, host_port):
