@@ -425,6 +425,17 @@ class CompiledFilter:
     key: bytes = b""
     cookie: bytes = b""
 
+    def placed(self, pref: int) -> Filter:
+        """This filter as a dump reads it back once it is added at `pref`."""
+        return Filter(
+            handle=self.handle,
+            pref=pref,
+            protocol=self.protocol,
+            chain=self.chain,
+            kind="flower",
+            cookie=self.cookie,
+        )
+
     def new_request(self, ifindex: int, pref: int | None = None) -> bytes:
         """The body of the RTM_NEWTFILTER that adds this filter to `ifindex`'s ingress.
 

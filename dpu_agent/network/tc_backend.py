@@ -613,14 +613,7 @@ class TcFlowBackend(FlowBackend):
             c = compiled.get(known.cookie) or self._compile(rule, ifindex_of, moving=True)
             label = f"rule {rule.rule_id!r}" + (" (moved)" if f is not None else "")
             (late if pref in moved_from else early).append((c, pref, label))
-            plan.placed[known.cookie] = Filter(
-                handle=c.handle,
-                pref=pref,
-                protocol=c.protocol,
-                chain=0,
-                kind="flower",
-                cookie=known.cookie,
-            )
+            plan.placed[known.cookie] = c.placed(pref)
         plan.adds, plan.split = early + late, len(early)
         return plan
 
@@ -669,14 +662,7 @@ class TcFlowBackend(FlowBackend):
                 return None
         plan = _Plan(ifindex, deletes=[], known={known.cookie: known}, split=1)
         plan.adds = [(compiled, pref, f"rule {rule.rule_id!r}")]
-        plan.placed[known.cookie] = Filter(
-            handle=compiled.handle,
-            pref=pref,
-            protocol=compiled.protocol,
-            chain=0,
-            kind="flower",
-            cookie=known.cookie,
-        )
+        plan.placed[known.cookie] = compiled.placed(pref)
         return plan
 
     def _compile(
