@@ -216,7 +216,10 @@ async def test_deregistered_region_is_refused(pair):
 
 async def test_a_refused_access_fails_every_pending_op(pair):
     host, agent = pair
-    size = 1 << 20
+    # 15 x 64 KiB ahead of the refused READ: enough to have operations pending when the
+    # NAK arrives. 15 x 1 MiB in flight once outlasted the RC retry budget (7 x 67 ms)
+    # under TCG in CI, so the requester saw IBV_WC_RETRY_EXC_ERR before the NAK.
+    size = 64 << 10
     src = host.link.register(size, Access.REMOTE_READ)
     staging = agent.staging(16 * size)
     good = [agent.read(staging, i * size, size, src.addr, src.rkey) for i in range(15)]
