@@ -55,7 +55,7 @@ from dpu_agent.network.validate import check_rule, l3_ethertype
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
 
-    from dpu_agent.network.model import Action, IPAddress, IPNetwork
+    from dpu_agent.network.model import Action, IPAddress
 
 # linux/pkt_cls.h, tc_act/*.h
 TCA_CLS_FLAGS_SKIP_HW = 1 << 0
@@ -131,6 +131,9 @@ PORT_KEYS: Final = {
     IPPROTO_UDP: (TCA_FLOWER_KEY_UDP_SRC, TCA_FLOWER_KEY_UDP_DST),
     IPPROTO_SCTP: (TCA_FLOWER_KEY_SCTP_SRC, TCA_FLOWER_KEY_SCTP_DST),
 }
+_U16: Final = struct.Struct("=H")
+_BE16: Final = struct.Struct("!H")
+_BE32: Final = struct.Struct("!I")
 TCF_T: Final = struct.Struct("=QQQQ")  # install, lastuse, expires, firstuse (clock_t ago)
 GNET_STATS_BASIC: Final = struct.Struct("=QI")  # bytes, packets
 TC_GEN: Final = struct.Struct("=IIiii")  # index, capab, action, refcnt, bindcnt
@@ -212,51 +215,63 @@ def _mac(value: str) -> bytes:
     return bytes.fromhex(value.replace(":", ""))
 
 
-def _prefix(kind: int, network: IPNetwork) -> bytes:
-    return nl.attr(kind, network.network_address.packed) + nl.attr(kind + 1, network.netmask.packed)
+def _match_attrs(match: FlowMatch) -> tuple[int, list[tuple[int, bytes]]]:
+    """(tc protocol, the flower key attributes as (type, payload)) of a valid match.
 
-
-def _l4_keys(match: FlowMatch) -> bytes:
-    keys = b""
-    if match.ip_protocol is not None:
-        keys += nl.u8(TCA_FLOWER_KEY_IP_PROTO, match.ip_protocol)
-    if match.src_port is None and match.dst_port is None:
-        return keys
-    src, dst = PORT_KEYS[match.ip_protocol or -1]
-    if match.src_port is not None:
-        keys += nl.be16(src, match.src_port)
-    if match.dst_port is not None:
-        keys += nl.be16(dst, match.dst_port)
-    return keys
-
-
-def flower_match(match: FlowMatch) -> tuple[int, bytes]:
-    """(tc protocol, flower key attributes) of a match `validate.check_match` passed."""
+    A prefix is a key attribute followed by its mask attribute (type + 1).
+    """
     ethertype = l3_ethertype(match)
-    keys = b""
+    attrs: list[tuple[int, bytes]] = []
     if match.vlan_id is not None:
         protocol = ETH_P_8021Q
-        keys += nl.be16(TCA_FLOWER_KEY_ETH_TYPE, ETH_P_8021Q)
-        keys += nl.u16(TCA_FLOWER_KEY_VLAN_ID, match.vlan_id)
+        attrs.append((TCA_FLOWER_KEY_ETH_TYPE, _BE16.pack(ETH_P_8021Q)))
+        attrs.append((TCA_FLOWER_KEY_VLAN_ID, _U16.pack(match.vlan_id)))
         if ethertype is not None:
-            keys += nl.be16(TCA_FLOWER_KEY_VLAN_ETH_TYPE, ethertype)
+            attrs.append((TCA_FLOWER_KEY_VLAN_ETH_TYPE, _BE16.pack(ethertype)))
     else:
         protocol = ETH_P_ALL if ethertype is None else ethertype
         if ethertype is not None:
-            keys += nl.be16(TCA_FLOWER_KEY_ETH_TYPE, ethertype)
+            attrs.append((TCA_FLOWER_KEY_ETH_TYPE, _BE16.pack(ethertype)))
     if match.dst_mac is not None:
-        keys += nl.attr(TCA_FLOWER_KEY_ETH_DST, _mac(match.dst_mac))
+        attrs.append((TCA_FLOWER_KEY_ETH_DST, _mac(match.dst_mac)))
     if match.src_mac is not None:
-        keys += nl.attr(TCA_FLOWER_KEY_ETH_SRC, _mac(match.src_mac))
-    v6 = ethertype == ETH_P_IPV6
-    if match.src_ip is not None:
-        keys += _prefix(TCA_FLOWER_KEY_IPV6_SRC if v6 else TCA_FLOWER_KEY_IPV4_SRC, match.src_ip)
-    if match.dst_ip is not None:
-        keys += _prefix(TCA_FLOWER_KEY_IPV6_DST if v6 else TCA_FLOWER_KEY_IPV4_DST, match.dst_ip)
-    keys += _l4_keys(match)
+        attrs.append((TCA_FLOWER_KEY_ETH_SRC, _mac(match.src_mac)))
+    _l3_l4_attrs(match, ethertype == ETH_P_IPV6, attrs)
+    return protocol, attrs
+
+
+def _l3_l4_attrs(match: FlowMatch, v6: bool, attrs: list[tuple[int, bytes]]) -> None:  # noqa: FBT001 - private
+    for network, kinds in (
+        (match.src_ip, (TCA_FLOWER_KEY_IPV6_SRC, TCA_FLOWER_KEY_IPV4_SRC)),
+        (match.dst_ip, (TCA_FLOWER_KEY_IPV6_DST, TCA_FLOWER_KEY_IPV4_DST)),
+    ):
+        if network is not None:
+            kind = kinds[0] if v6 else kinds[1]
+            attrs.append((kind, network.network_address.packed))
+            attrs.append((kind + 1, network.netmask.packed))
+    if match.ip_protocol is not None:
+        attrs.append((TCA_FLOWER_KEY_IP_PROTO, bytes((match.ip_protocol,))))
+    if match.src_port is not None or match.dst_port is not None:
+        src, dst = PORT_KEYS[match.ip_protocol or -1]
+        if match.src_port is not None:
+            attrs.append((src, _BE16.pack(match.src_port)))
+        if match.dst_port is not None:
+            attrs.append((dst, _BE16.pack(match.dst_port)))
     if match.vxlan_vni is not None:
-        keys += nl.be32(TCA_FLOWER_KEY_ENC_KEY_ID, match.vxlan_vni)
-    return protocol, keys
+        attrs.append((TCA_FLOWER_KEY_ENC_KEY_ID, _BE32.pack(match.vxlan_vni)))
+
+
+def flower_match(match: FlowMatch) -> tuple[int, bytes, tuple[object, ...]]:
+    """(tc protocol, flower key attributes, mask) of a match `validate.check_match` passed.
+
+    The mask is which keys are present and the value of every mask attribute (the
+    other keys are exact matches, a full mask, when present): what filters must share,
+    with the protocol and skip flags, to share a pref (`mask_group`).
+    """
+    protocol, attrs = _match_attrs(match)
+    keys = b"".join([nl.attr(kind, payload) for kind, payload in attrs])
+    mask = tuple(sorted([(kind, value if kind in MASK_KEYS else b"") for kind, value in attrs]))
+    return protocol, keys, mask
 
 
 def _police_parameters(police: Police) -> tuple[int, int]:
@@ -382,7 +397,9 @@ def skip_flags(policy: OffloadPolicy) -> int:
     return 0
 
 
-# Mask attributes: each follows its key attribute (see `_prefix`).
+_KIND_FLOWER: Final = nl.string(nl.TCA_KIND, "flower")
+
+# Mask attributes: each follows its key attribute (see `_match_attrs`).
 MASK_KEYS: Final = frozenset(
     kind + 1
     for kind in (
@@ -394,16 +411,8 @@ MASK_KEYS: Final = frozenset(
 )
 
 
-def mask_group(protocol: int, flags: int, keys: bytes) -> tuple[object, ...]:
-    """What filters must share to share a pref: protocol, skip flags and the mask.
-
-    The mask is which keys are present and the value of every mask attribute; the
-    other keys are exact matches (a full mask) when present.
-    """
-    attrs = nl.parse_attrs(keys)
-    mask = tuple(
-        sorted((kind, value if kind in MASK_KEYS else b"") for kind, value in attrs.items())
-    )
+def mask_group(protocol: int, flags: int, mask: tuple[object, ...]) -> tuple[object, ...]:
+    """What filters must share to share a pref: protocol, skip flags and the mask."""
     return (protocol, flags, mask)
 
 
@@ -443,7 +452,7 @@ class CompiledFilter:
         """
         info = nl.tc_info(self.pref if pref is None else pref, self.protocol)
         body = nl.tcmsg(ifindex, self.handle, nl.INGRESS_PARENT, info)
-        body += nl.string(nl.TCA_KIND, "flower")
+        body += _KIND_FLOWER
         if self.chain:
             body += nl.u32(nl.TCA_CHAIN, self.chain)
         return body + nl.nest(nl.TCA_OPTIONS, self.options)
@@ -469,7 +478,7 @@ def compile_rule(
     """
     if check:
         check_rule(rule)
-    protocol, keys = flower_match(rule.match)
+    protocol, keys, mask = flower_match(rule.match)
     policy = default_offload if rule.offload is OffloadPolicy.ANY else rule.offload
     flags = skip_flags(policy)
     cookie = rule_cookie(rule.rule_id)
@@ -479,7 +488,7 @@ def compile_rule(
         protocol=protocol,
         options=options,
         handle=rule.priority,
-        group=mask_group(protocol, flags, keys),
+        group=mask_group(protocol, flags, mask),
         key=keys,
         cookie=cookie,
     )

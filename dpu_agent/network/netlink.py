@@ -58,10 +58,14 @@ NLMSGERR: Final = struct.Struct("=i")  # error (negative errno; 0 = an ack), the
 U32_MAX: Final = 0xFFFFFFFF
 
 
+NLATTR: Final = struct.Struct("=HH")  # len, type
+_PADDING: Final = (b"", b"\0\0\0", b"\0\0", b"\0")  # by length % 4
+
+
 def attr(kind: int, payload: bytes) -> bytes:
     """One attribute (type, payload), padded to 4 bytes."""
     length = 4 + len(payload)
-    return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
+    return NLATTR.pack(length, kind) + payload + _PADDING[length % 4]
 
 
 def nest(kind: int, *children: bytes) -> bytes:
@@ -104,7 +108,7 @@ def parse_attrs(data: bytes, offset: int = 0) -> dict[int, bytes]:
     found: dict[int, bytes] = {}
     end = len(data)
     while offset + 4 <= end:
-        length, kind = struct.unpack_from("=HH", data, offset)
+        length, kind = NLATTR.unpack_from(data, offset)
         if length < 4:
             break
         found[kind & NLA_TYPE_MASK] = data[offset + 4 : offset + length]

@@ -140,6 +140,9 @@ __all__ = ["COOKIE_MAGIC", "COOKIE_PREFIX", "TcFlowBackend", "rule_cookie"]
 COOKIE_PREFIX: Final = "cookie:"
 _USER_HZ: Final = os.sysconf("SC_CLK_TCK")
 _NEW_FILTER: Final = nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL
+# Port names whose match against the patterns is remembered: names come from clients'
+# rules, so the memory is bounded (names past it are matched every time).
+MANAGED_NAMES_KEPT: Final = 4096
 
 
 class TcFlowBackend(FlowBackend):
@@ -167,6 +170,7 @@ class TcFlowBackend(FlowBackend):
         reread_after: float = 1.0,
     ) -> None:
         self._patterns = tuple(ports)
+        self._managed: dict[str, bool] = {}  # name -> whether a pattern matches it
         self._default_offload = default_offload
         self._reread_after = reread_after
         self._lock = threading.Lock()
@@ -202,7 +206,12 @@ class TcFlowBackend(FlowBackend):
 
     def managed(self, name: str) -> bool:
         """Whether a netdev name matches the managed patterns."""
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self._patterns)
+        known = self._managed.get(name)
+        if known is None:
+            known = any(fnmatch.fnmatchcase(name, pattern) for pattern in self._patterns)
+            if len(self._managed) < MANAGED_NAMES_KEPT:
+                self._managed[name] = known
+        return known
 
     # The FlowBackend interface.
     def ports(self) -> list[PortInfo]:
@@ -454,9 +463,9 @@ class TcFlowBackend(FlowBackend):
 
     def _know(self, rule: FlowRule) -> _Known:
         """A rule with what the layout needs of it (its match compiled, no actions)."""
-        protocol, keys = flower_match(rule.match)
+        protocol, keys, mask = flower_match(rule.match)
         policy = self._default_offload if rule.offload is OffloadPolicy.ANY else rule.offload
-        group = mask_group(protocol, skip_flags(policy), keys)
+        group = mask_group(protocol, skip_flags(policy), mask)
         return _Known(rule, rule_cookie(rule.rule_id), group, keys)
 
     def _classify(self, filters: Iterable[Filter]) -> _Port:

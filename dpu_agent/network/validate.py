@@ -65,6 +65,12 @@ __doc__ = (
 )
 
 
+_MATCH_RANGES: Final = tuple(
+    (field, f"match.{field}")
+    for field in ("ethertype", "vlan_id", "ip_protocol", "src_port", "dst_port", "vxlan_vni")
+)
+
+
 def check_range(value: int | None, what: str, where: str = "") -> None:
     """InvalidArgument unless `value` (None: absent) is within `LIMITS[what]`."""
     low, high = LIMITS[what]
@@ -94,15 +100,10 @@ def l3_ethertype(m: FlowMatch) -> int | None:
 
 def check_match(m: FlowMatch) -> None:
     """InvalidArgument unless flower can match exactly what `m` asks for."""
-    for what, value in (
-        ("ethertype", m.ethertype),
-        ("vlan_id", m.vlan_id),
-        ("ip_protocol", m.ip_protocol),
-        ("src_port", m.src_port),
-        ("dst_port", m.dst_port),
-        ("vxlan_vni", m.vxlan_vni),
-    ):
-        check_range(value, f"match.{what}")
+    for field, what in _MATCH_RANGES:
+        value = getattr(m, field)
+        if value is not None:
+            check_range(value, what)
     for what, mac in (("src_mac", m.src_mac), ("dst_mac", m.dst_mac)):
         if mac is not None and not MAC.fullmatch(mac):
             raise InvalidArgument(f"match.{what} {mac!r} is not a MAC address (aa:bb:cc:dd:ee:ff)")

@@ -236,3 +236,29 @@ def test_actions_encoded_from_a_shared_template_are_byte_for_byte_the_same(actio
         assert flower.encode_actions(actions, IFINDEX, cookie) == flower._actions(
             actions, IFINDEX, cookie
         )
+
+
+@pytest.mark.parametrize(
+    "match",
+    [
+        FlowMatch(),
+        FlowMatch(dst_ip=net("10.1.0.0/24")),
+        FlowMatch(src_ip=net("2001:db8::/48"), dst_ip=net("2001:db8:1::/64"), ip_protocol=6),
+        FlowMatch(
+            vlan_id=10,
+            ethertype=0x0800,
+            src_mac="02:00:00:00:00:01",
+            dst_mac="02:00:00:00:00:02",
+            ip_protocol=17,
+            src_port=1,
+            dst_port=2,
+            vxlan_vni=7,
+        ),
+    ],
+)
+def test_the_mask_is_the_keys_present_with_the_mask_attributes_values(match):
+    _, keys, mask = flower.flower_match(match)
+    read_back = nl.parse_attrs(keys)
+    assert [kind for kind, _ in mask] == sorted(read_back)
+    for kind, value in mask:
+        assert value == (read_back[kind] if kind in flower.MASK_KEYS else b"")
