@@ -6,6 +6,7 @@ bench/results/report.json, bench/REPORT.md and bench/results/plots/*.png.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from bench import (
@@ -22,10 +23,26 @@ from bench import (
 BENCHES = (grpc_unary, tcp_dataplane, storage_io, compute_jobs, verbs_write, verbs_jobs, tc_rules)
 
 
-def main() -> int:
-    """Run the benchmarks in order, then write the report."""
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks in order (all, or those named), then write the report."""
+    names = {bench.__name__.removeprefix("bench."): bench for bench in BENCHES}
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        epilog="DPU_BENCH_QUICK=1 makes a smoke run with short durations (marked as such).",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(names),
+        metavar="NAME",
+        help=f"run only this bench (repeatable): {', '.join(names)}; the report still "
+        "gathers every result file",
+    )
+    args = parser.parse_args(argv)
+    chosen = [names[name] for name in args.only] if args.only else list(BENCHES)
     started = time.monotonic()
-    for bench in BENCHES:
+    for bench in chosen:
         print(f"== {bench.__name__}: {(bench.__doc__ or '').splitlines()[0]}")
         start = time.monotonic()
         bench.main()

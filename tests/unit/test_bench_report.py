@@ -325,3 +325,22 @@ def test_quick_picks_the_short_value_only_in_a_smoke_run(monkeypatch):
     assert common.quick(2000, 200) == 2000
     monkeypatch.setattr(common, "QUICK", True)
     assert common.quick(2000, 200) == 200
+
+
+def test_bench_run_help_runs_nothing_and_an_unknown_bench_is_refused(monkeypatch, capsys):
+    from bench import run  # noqa: PLC0415 - the command line under test
+
+    ran: list[str] = []
+    for bench in run.BENCHES:
+        monkeypatch.setattr(bench, "main", lambda name=bench.__name__: ran.append(name))
+    monkeypatch.setattr(run.report, "generate", lambda: ran.append("report"))
+    with pytest.raises(SystemExit) as exited:
+        run.main(["--help"])
+    assert exited.value.code == 0
+    assert "--only" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        run.main(["--only", "no_such_bench"])
+    assert exited.value.code == 2
+    assert ran == []
+    assert run.main(["--only", "tc_rules", "--only", "grpc_unary"]) == 0
+    assert ran == ["bench.tc_rules", "bench.grpc_unary", "report"]
