@@ -261,7 +261,7 @@ def _l3_l4_attrs(match: FlowMatch, v6: bool, attrs: list[tuple[int, bytes]]) -> 
         attrs.append((TCA_FLOWER_KEY_ENC_KEY_ID, _BE32.pack(match.vxlan_vni)))
 
 
-def flower_match(match: FlowMatch) -> tuple[int, bytes, tuple[object, ...]]:
+def flower_match(match: FlowMatch) -> tuple[int, bytes, tuple[tuple[int, bytes], ...]]:
     """(tc protocol, flower key attributes, mask) of a match `validate.check_match` passed.
 
     The mask is which keys are present and the value of every mask attribute (the
@@ -411,7 +411,9 @@ MASK_KEYS: Final = frozenset(
 )
 
 
-def mask_group(protocol: int, flags: int, mask: tuple[object, ...]) -> tuple[object, ...]:
+def mask_group(
+    protocol: int, flags: int, mask: tuple[tuple[int, bytes], ...]
+) -> tuple[object, ...]:
     """What filters must share to share a pref: protocol, skip flags and the mask."""
     return (protocol, flags, mask)
 

@@ -333,7 +333,7 @@ def test_bench_run_help_runs_nothing_and_an_unknown_bench_is_refused(monkeypatch
     ran: list[str] = []
     for bench in run.BENCHES:
         monkeypatch.setattr(bench, "main", lambda name=bench.__name__: ran.append(name))
-    monkeypatch.setattr(run.report, "generate", lambda: ran.append("report"))
+    monkeypatch.setattr(report, "generate", lambda: ran.append("report"))
     with pytest.raises(SystemExit) as exited:
         run.main(["--help"])
     assert exited.value.code == 0
