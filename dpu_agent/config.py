@@ -32,8 +32,9 @@ Example file (every key optional):
     tcp_allow = "peer"            # where the tcp data plane may dial: the gRPC caller's
                                   # own address ("peer"), and/or networks ("10.0.0.0/8")
     op_timeout = 30.0             # seconds a tcp host may leave a READ/WRITE unanswered
-    inline_max = 4096             # tcp: the largest job source a SUBMIT may carry inline
-                                  # (0-16384; 0 = none; verbs sessions take none)
+    inline_max = 4096             # the largest job source a SUBMIT may carry inline
+                                  # (0-16384; 0 = none; verbs: each RECV buffer is then
+                                  # 80 + inline_max bytes)
 
     [storage]
     backend = "file"              # file (a pool file + metadata log; survives crashes) or memory
@@ -496,7 +497,8 @@ SETTINGS: Final = (
         "inline_max",
         "DPU_AGENT_INLINE_MAX",
         _integer(1, MAX_INLINE, "none"),
-        "tcp: the largest job source a SUBMIT may carry inline (0: none)",
+        "the largest job source a SUBMIT may carry inline (0: none; verbs: each RECV buffer"
+        " is then 80 + inline_max bytes)",
     ),
     Setting(
         "storage",

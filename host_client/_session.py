@@ -217,7 +217,13 @@ class Session:
         )
         self.name = reply.name
         self.transport = TRANSPORT_NAMES.get(reply.transport, str(reply.transport))
-        self.inline_max = min(reply.inline_max, capsule.MAX_INLINE) if self._inline else 0
+        if self._inline and reply.inline_max:
+            try:
+                self.inline_max = self._link.accept_inline(
+                    min(reply.inline_max, capsule.MAX_INLINE)
+                )
+            except TransportError as exc:  # e.g. no locked memory for larger send slots
+                log.warning("inline sources off for this session (the agent READs them): %s", exc)
         try:
             await self._link.connect(endpoints.from_proto(reply.agent_endpoint))
         except TransportError as exc:

@@ -204,15 +204,17 @@ async def verbs_pair(
     spin: float = 0.002,
     queue_depth: int = 32,
     host_where: dict[str, object] | None = None,
+    inline_max: int = 0,
     **where: object,
 ) -> tuple[HostEnd, AgentEnd]:
     """A connected verbs host and agent link (`where`: the agent's device, port, gid_index;
-    `host_where` the host's, else the same: two nodes or one device to itself)."""
+    `host_where` the host's, else the same: two nodes or one device to itself; the agent
+    takes inline sources of up to `inline_max` bytes)."""
     from dpu_wire.transport.verbs import VerbsAgentLink, VerbsHostLink  # noqa: PLC0415
 
     host_at = where if host_where is None else host_where
     host = VerbsHostLink(queue_depth=queue_depth, spin=max(spin, 0.0), **host_at)  # type: ignore[arg-type]
-    agent_link = VerbsAgentLink(queue_depth=queue_depth, **where)  # type: ignore[arg-type]
+    agent_link = VerbsAgentLink(queue_depth=queue_depth, inline_max=inline_max, **where)  # type: ignore[arg-type]
     agent_link.connect(host.address)
     await host.connect(agent_link.address)
     host_end = HostEnd(host)

@@ -45,10 +45,12 @@ def _active_device(devices: Sequence[RdmaDeviceInfo], wanted: str) -> str | None
     return None
 
 
-async def _verbs(device: str, host: PeerAddress, queue_depth: int, _peer: str) -> AgentLink:
+async def _verbs(
+    device: str, inline_max: int, host: PeerAddress, queue_depth: int, _peer: str
+) -> AgentLink:
     from dpu_wire.transport.verbs import VerbsAgentLink  # noqa: PLC0415 - needs pyverbs
 
-    link = VerbsAgentLink(device=device, queue_depth=queue_depth)
+    link = VerbsAgentLink(device=device, queue_depth=queue_depth, inline_max=inline_max)
     try:
         link.connect(host)
     except BaseException:
@@ -83,7 +85,7 @@ def factories(config: AgentConfig, devices: Sequence[RdmaDeviceInfo]) -> dict[in
     if "verbs" in wanted:
         device = _active_device(devices, config.rdma_device)
         if device is not None:
-            result[TRANSPORT_VERBS] = functools.partial(_verbs, device)
+            result[TRANSPORT_VERBS] = functools.partial(_verbs, device, config.inline_max)
         elif config.transports != "auto":
             which = f"RDMA device {config.rdma_device!r} has" if config.rdma_device else "no RDMA"
             which += " no ACTIVE port" if config.rdma_device else " device has an ACTIVE port"

@@ -136,7 +136,7 @@ class AgentLink(abc.ABC):
     says when to poll (tcp)."""
     inline_max: int = 0
     """The largest job source a SUBMIT may carry inline on this link (docs/data-plane.md
-    2.8); 0: none (verbs: every RECV buffer is `MAX_CAPSULE` bytes)."""
+    2.8); 0: none (on verbs every RECV buffer is max(256, 80 + inline_max) bytes)."""
 
     @property
     @abc.abstractmethod
@@ -248,8 +248,15 @@ class HostLink(abc.ABC):
         """Send capsules in order, without blocking; TransportError once failed.
 
         A `(submit, source)` pair is an INLINE SUBMIT and the source's bytes, sent as
-        one capsule (tcp only: a link whose `local_view` answers None never gets one).
+        one capsule (a link whose `local_view` answers None never gets one).
         """
+
+    def accept_inline(self, limit: int) -> int:
+        """Be ready to send sources of up to `limit` bytes inline; the limit it will take.
+
+        Called once the session's `inline_max` is known, before the first send.
+        """
+        return limit
 
     def local_view(self, span: Span) -> memoryview | None:
         """This side's memory behind `span`, if it names a region the agent may READ.

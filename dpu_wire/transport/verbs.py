@@ -64,7 +64,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Final
 
-from dpu_wire.capsule import MAX_CAPSULE
+from dpu_wire.capsule import MAX_CAPSULE, MAX_INLINE, SUBMIT_SIZE
 from dpu_wire.transport import _memory
 from dpu_wire.transport._cqnotify import CqNotifier, NotifyUnavailable
 from dpu_wire.transport.base import (
@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     import mmap
     from collections.abc import Callable, Iterator, Sequence
 
+    from dpu_wire.capsule import Span
     from dpu_wire.transport.base import LinkSink
 
 # Importing pyverbs calls logging.basicConfig(level=INFO) (pyverbs/base.pyx): keep the
@@ -289,11 +290,19 @@ class _Config:
     send_depth: int
     recv_depth: int
     qp_access: int
+    recv_slot: int = MAX_CAPSULE  # bytes of each RECV buffer: the longest SEND taken
 
     def check(self) -> None:
         for name in ("queue_depth", "send_depth", "recv_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+def _slot_bytes(inline_max: int) -> int:
+    """A capsule slot's bytes when SUBMITs carry up to `inline_max` source bytes."""
+    if not 0 <= inline_max <= MAX_INLINE:
+        raise ValueError(f"inline_max must be 0..{MAX_INLINE}, not {inline_max}")
+    return max(MAX_CAPSULE, SUBMIT_SIZE + inline_max)
 
 
 _LIVE: Final[weakref.WeakSet[_QueuePair]] = weakref.WeakSet()
@@ -343,6 +352,7 @@ class _QueuePair:
         self._sq: collections.deque[tuple[int, int | None, int | None]] = collections.deque()
         self._next_wr_id = 1
         self._free_slots = list(range(config.queue_depth))
+        self._send_slot = MAX_CAPSULE  # bytes of each send slot (`grow_send_slots`)
         self.error: TransportError | None = None
         self._unreported: list[int] = []  # tokens of a failed link not yet reported
         self._recv_flushed = False  # a RECV failed: the QP is in error (see `_received`)
@@ -385,10 +395,11 @@ class _QueuePair:
         attr.qp_access_flags = cfg.qp_access
         self._qp = QP(self._pd, init, attr)  # RC with attributes: created in INIT
         local_write = int(ev.IBV_ACCESS_LOCAL_WRITE)
-        self._recv_ring = self.register(cfg.recv_depth * MAX_CAPSULE, Access.NONE, local_write)
+        recv_slot = cfg.recv_slot
+        self._recv_ring = self.register(cfg.recv_depth * recv_slot, Access.NONE, local_write)
         self._send_ring = self.register(cfg.queue_depth * MAX_CAPSULE, Access.NONE, 0)
         for slot in range(cfg.recv_depth):
-            sge = SGE(self._recv_ring.addr + slot * MAX_CAPSULE, MAX_CAPSULE, self._recv_ring.lkey)
+            sge = SGE(self._recv_ring.addr + slot * recv_slot, recv_slot, self._recv_ring.lkey)
             try:
                 self._recv_wrs.append(RecvWR(wr_id=slot, num_sge=1, sg=[sge]))
             finally:
@@ -511,20 +522,46 @@ class _QueuePair:
         """Capsules that can be sent now."""
         return min(self.room(), len(self._free_slots))
 
-    def post_send(self, capsule: bytes | memoryview, token: int | None) -> None:
-        """Copy `capsule` into a send slot and post a signalled SEND."""
+    @property
+    def send_slot(self) -> int:
+        """Bytes of each send slot: the longest capsule `post_send` takes."""
+        return self._send_slot
+
+    def grow_send_slots(self, size: int) -> None:
+        """Make every send slot `size` bytes (at least `MAX_CAPSULE`); nothing may be in flight.
+
+        A host learns the session's `inline_max` after its QP was made (OpenSession
+        carries both), so its send ring is replaced once, before its first SEND.
+        """
+        if size <= self._send_slot:
+            return
+        if self._sq or len(self._free_slots) != self._config.queue_depth:
+            raise TransportError("send slots can only grow while no SEND is in flight")
+        ring = self.register(self._config.queue_depth * size, Access.NONE, 0)
+        self.deregister(self._send_ring)
+        self._send_ring, self._send_slot = ring, size
+        self._send_sge.lkey = ring.lkey
+
+    def post_send(
+        self, capsule: bytes | memoryview, token: int | None, tail: memoryview | None = None
+    ) -> None:
+        """Copy `capsule` (then `tail`, an inline source) into a send slot; post a SEND."""
         size = len(capsule)
-        if size > MAX_CAPSULE:
-            raise ValueError(f"capsule of {size} bytes exceeds {MAX_CAPSULE}")
+        total = size if tail is None else size + tail.nbytes
+        if total > self._send_slot:
+            raise ValueError(f"capsule of {total} bytes exceeds {self._send_slot}")
         self._check_post()
         if not self._free_slots:
             raise TransportError("no free send slot (more capsules in flight than queue_depth)")
         slot = self._free_slots.pop()
-        offset = slot * MAX_CAPSULE
-        self._send_ring.view[offset : offset + size] = capsule
+        offset = slot * self._send_slot
+        view = self._send_ring.view
+        view[offset : offset + size] = capsule
+        if tail is not None:
+            view[offset + size : offset + total] = tail
         sge = self._send_sge
         sge.addr = self._send_ring.addr + offset
-        sge.length = size
+        sge.length = total
         self._post(self._send_wr, token, slot, "SEND")
 
     def post_rdma(  # noqa: PLR0913, PLR0917 - an RDMA operation's operands
@@ -677,7 +714,7 @@ class _QueuePair:
             return False
         if self._recv_flushed:
             return False
-        start = slot * MAX_CAPSULE
+        start = slot * self._config.recv_slot
         try:
             if self.error is None:
                 sink.on_capsule(self._recv_ring.view[start : start + length])
@@ -840,6 +877,7 @@ def _config(  # noqa: PLR0913, PLR0917 - the verbs knobs
     send_depth: int | None,
     recv_depth: int | None,
     qp_access: int,
+    recv_slot: int = MAX_CAPSULE,
 ) -> _Config:
     default_depth = 2 * queue_depth + 8
     return _Config(
@@ -850,6 +888,7 @@ def _config(  # noqa: PLR0913, PLR0917 - the verbs knobs
         send_depth=default_depth if send_depth is None else send_depth,
         recv_depth=default_depth if recv_depth is None else recv_depth,
         qp_access=qp_access,
+        recv_slot=recv_slot,
     )
 
 
@@ -869,6 +908,8 @@ class VerbsAgentLink(AgentLink):
         queue_depth: capsules in flight (send slots); sets the other depths' defaults.
         send_depth: send-queue WRs (SEND, READ, WRITE) in flight; default 3 * queue_depth + 8.
         recv_depth: RECV buffers posted; default 2 * queue_depth + 8.
+        inline_max: the largest job source a SUBMIT may carry inline (0..16384); each
+            RECV buffer is then max(256, 80 + inline_max) bytes (docs/data-plane.md 2.8).
     """
 
     needs_polling = True
@@ -882,11 +923,16 @@ class VerbsAgentLink(AgentLink):
         *,
         send_depth: int | None = None,
         recv_depth: int | None = None,
+        inline_max: int = 0,
     ) -> None:
         # A job has at most a WRITE and its COMPLETION's SEND in flight, and every send
         # slot may hold a refusal besides: 3 per job keeps the send queue from filling.
         depth = 3 * queue_depth + 8 if send_depth is None else send_depth
-        self._qp = _QueuePair(_config(device, port, gid_index, queue_depth, depth, recv_depth, 0))
+        slot = _slot_bytes(inline_max)
+        self._qp = _QueuePair(
+            _config(device, port, gid_index, queue_depth, depth, recv_depth, 0, slot)
+        )
+        self.inline_max = inline_max
 
     @property
     def error(self) -> TransportError | None:  # type: ignore[override]
@@ -1007,7 +1053,9 @@ class VerbsHostLink(HostLink):
         self._last = 0.0
         self._reported = False
         self._closed = False
-        self._backlog: collections.deque[bytes] = collections.deque()
+        self._backlog: collections.deque[tuple[bytes, memoryview | None]] = collections.deque()
+        self.inline_max = 0  # sources SUBMITs carry inline (`accept_inline`)
+        self._readable: dict[int, VerbsRegion] = {}  # by rkey: regions granting REMOTE_READ
 
     @property
     def address(self) -> VerbsAddress:
@@ -1020,11 +1068,38 @@ class VerbsHostLink(HostLink):
 
     def register(self, length: int, access: Access) -> VerbsRegion:
         """Allocate `length` bytes and register them with only the access asked for."""
-        return self._qp.register(length, access, _mr_flags(access))
+        region = self._qp.register(length, access, _mr_flags(access))
+        if access & Access.REMOTE_READ:
+            self._readable[region.rkey] = region
+        return region
 
     def deregister(self, region: Region) -> None:
         """Deregister and unmap a region: the agent's later accesses fail."""
+        if self._readable.get(region.rkey) is region:
+            del self._readable[region.rkey]
         self._qp.deregister(region)
+
+    def accept_inline(self, limit: int) -> int:
+        """Send SUBMITs with up to `limit` source bytes inline (before the first send).
+
+        Every send slot grows to 80 + `limit` bytes (the source is copied in after the
+        SUBMIT: a reused pyverbs work request carries one SGE).
+        """
+        self._qp.grow_send_slots(_slot_bytes(limit))
+        self.inline_max = limit
+        return limit
+
+    def local_view(self, span: Span) -> memoryview | None:
+        """The memory behind `span` if it lies in a region the agent may READ."""
+        if not self.inline_max:
+            return None
+        region = self._readable.get(span[2])
+        if region is None:
+            return None
+        offset = span[0] - region.addr
+        if offset < 0 or offset + span[1] > region.length:
+            return None
+        return region.view[offset : offset + span[1]]
 
     def start(
         self,
@@ -1042,17 +1117,24 @@ class VerbsHostLink(HostLink):
         """Post a SEND per capsule, in order; TransportError once the link failed.
 
         Capsules that find every send slot taken wait in order and go out as earlier
-        SENDs complete. No inline sources here (`local_view` answers None).
+        SENDs complete. A `(submit, source)` pair goes as one SEND once `accept_inline`
+        allowed inline sources.
         """
         if self._qp.error is not None:
             raise self._qp.error
-        out: list[bytes] = []
+        out: list[tuple[bytes, memoryview | None]] = []
+        limit = self._qp.send_slot
         for capsule in capsules:
             if isinstance(capsule, tuple):
-                raise TypeError("a verbs link carries no inline sources (inline_max 0)")
-            if len(capsule) > MAX_CAPSULE:
-                raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
-            out.append(capsule)
+                if not self.inline_max:
+                    raise TypeError("this link carries no inline sources (inline_max 0)")
+                item: tuple[bytes, memoryview | None] = capsule
+                size = len(capsule[0]) + capsule[1].nbytes
+            else:
+                item, size = (capsule, None), len(capsule)
+            if size > limit:
+                raise ValueError(f"capsule of {size} bytes exceeds {limit}")
+            out.append(item)
         self._backlog.extend(out)
         self._send_backlog()
         self._kick()
@@ -1062,7 +1144,8 @@ class VerbsHostLink(HostLink):
         while backlog and qp.error is None:
             if qp.send_room() == 0 and (qp.poll_sends(None) == 0 or qp.send_room() == 0):
                 return  # the rest goes once SENDs complete (polled in _step)
-            qp.post_send(backlog.popleft(), None)
+            capsule, tail = backlog.popleft()
+            qp.post_send(capsule, None, tail)
 
     def _kick(self) -> None:
         self._last = time.monotonic()

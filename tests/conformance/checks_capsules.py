@@ -476,13 +476,13 @@ async def one_answer_each(ctx: Ctx) -> None:
 async def too_long(ctx: Ctx) -> None:
     """DP-2.5-3."""
     session = await ctx.open()
+    limit = max(wire.MAX_CAPSULE, 80 + session.reply.inline_max)  # section 2.8
     if isinstance(session.host, RawTcpHost):
-        limit = max(wire.MAX_CAPSULE, 80 + session.reply.inline_max)  # section 2.8
         await session.host.send(wire.frame(wire.Ft.CAPSULE, length=limit + 1) + bytes(limit + 1))
         await asyncio.wait_for(session.host.eof.wait(), WAIT)
     else:
         assert isinstance(session.host, RawVerbsHost)
-        await session.host.send_oversized(300)
+        await session.host.send_oversized(limit + 1)
     failed = await session.wait_state(5)
     assert failed.state == 5, failed
 

@@ -471,7 +471,7 @@ class Ctx:
         if isinstance(host, RawTcpHost):
             await host.connected(reply.agent_endpoint.tcp.token)
         else:
-            await host.connected(reply.agent_endpoint)  # type: ignore[attr-defined]
+            await host.connected(reply.agent_endpoint, reply.inline_max)  # type: ignore[attr-defined]
         session = self.adopt(stubs, host, reply)
         if lease:
             session.lease = session.watch(job_pb2.JOB_ORIGIN_RPC)

@@ -75,9 +75,11 @@ class RawVerbsHost:
     def listen(self) -> None:
         """Nothing to do: the QP waits in INIT with its RECVs posted."""
 
-    async def connected(self, agent: session_pb2.Endpoint) -> None:
+    async def connected(self, agent: session_pb2.Endpoint, inline_max: int = 0) -> None:
         v = agent.verbs
         await self.link.connect(VerbsAddress(bytes(v.gid), v.qp_num, v.psn, v.mtu, v.lid))
+        if inline_max:  # send slots for INLINE SUBMITs as long as the agent takes
+            self.link.accept_inline(inline_max)
         self.link.start(self._capsule, self._failed, lambda: True)
 
     def _capsule(self, data: memoryview) -> None:
@@ -106,7 +108,7 @@ class RawVerbsHost:
         self.link.send(capsules)
 
     async def send_oversized(self, size: int) -> None:
-        """One SEND of `size` (> 256) bytes, past every RECV buffer (DP-2.5-3)."""
+        """One SEND of `size` bytes, past every RECV buffer of the agent (DP-2.5-3)."""
         qp = self.link._qp  # the transport refuses to do this on purpose
         ring = qp._send_ring
         assert size <= ring.length

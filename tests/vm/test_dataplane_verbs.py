@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import crc32c
 import pytest
 
 import host_client
@@ -69,6 +72,43 @@ async def test_volume_round_trips_over_rxe(verbs_agent):
     async with host_client.Client(verbs_agent.address, timeout=60) as client:
         checked = await volume_io.round_trips(client, "verbs", "rxe")
     assert checked == len(volume_io.COMBINATIONS) * ((2 << 20) + 4096 + 8192)
+
+
+async def test_small_sources_go_inline_over_rxe(verbs_agent):
+    async with (
+        host_client.Client(verbs_agent.address, timeout=60) as client,
+        await client.open_session(transport="verbs", queue_depth=4) as session,
+    ):
+        assert session.inline_max == 4096  # the agent's [dataplane] inline_max
+        inline: list[bool] = []  # per capsule sent: did it carry its source?
+        send = session._link.send  # the SDK's one way to the wire
+
+        def spy(capsules):
+            inline.extend(isinstance(c, tuple) for c in capsules)
+            send(capsules)
+
+        session._link.send = spy  # type: ignore[method-assign]
+        data = os.urandom(8192)
+        buf = await session.alloc(8192, readable=True, writable=True)
+        buf.view[:] = data
+        out = await session.alloc(8192, writable=True)
+        assert await session.crc32c(buf[0:4096]) == crc32c.crc32c(data[:4096])
+        await session.copy(buf[0:4096], out[4096:8192])
+        assert bytes(out.view[4096:]) == data[:4096]
+        await client.create_volume("inline-rxe", 1 << 20)
+        await session.write_volume("volumes/inline-rxe", 8192, buf[4096:8192], fua=True)
+        await session.read_volume("volumes/inline-rxe", 8192, out[0:4096])
+        assert bytes(out.view[:4096]) == data[4096:]
+        assert await session.crc32c(buf) == crc32c.crc32c(data)  # 8 KiB: READ
+        assert inline == [True, True, True, False, False], inline
+    async with (
+        host_client.Client(verbs_agent.address, timeout=60) as client,
+        await client.open_session(transport="verbs", inline=False) as session,
+    ):
+        assert session.inline_max == 0
+        buf = await session.alloc(512, readable=True)
+        buf.view[:] = b"x" * 512
+        assert await session.crc32c(buf) == crc32c.crc32c(b"x" * 512)
 
 
 def _verbs_env(rdma_port):

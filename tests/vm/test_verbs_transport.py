@@ -363,3 +363,66 @@ async def test_links_left_open_are_closed_cleanly_at_exit(rdma_port, host_port):
     assert done.stdout.strip() == "exiting with the links open", done.stderr
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
+
+
+INLINE_MAX = 4096
+
+
+@pytest_asyncio.fixture
+async def inline_pair(rdma_port, host_port):
+    """A pair whose agent link takes INLINE SUBMITs of up to INLINE_MAX source bytes."""
+    async with reactor() as r:
+        host, agent = await verbs_pair(
+            r,
+            queue_depth=QUEUE_DEPTH,
+            host_where={
+                "device": host_port.device,
+                "port": host_port.port,
+                "gid_index": host_port.gid_index,
+            },
+            inline_max=INLINE_MAX,
+            device=rdma_port.device,
+            port=rdma_port.port,
+            gid_index=rdma_port.gid_index,
+        )
+        yield host, agent
+        await agent.close()
+        await host.close()
+
+
+async def test_inline_sources_arrive_whole_once_the_host_accepts_them(inline_pair):
+    host, agent = inline_pair
+    assert agent.link.inline_max == INLINE_MAX
+    src = host.link.register(INLINE_MAX, Access.REMOTE_READ)
+    src.view[:] = os.urandom(INLINE_MAX)
+    span = (src.addr, INLINE_MAX, src.rkey)
+    head = os.urandom(80)  # the SUBMIT's bytes, as far as the transport cares
+    assert host.link.local_view(span) is None, "inline before accept_inline"
+    with pytest.raises(TypeError, match="no inline sources"):
+        host.link.send([(head, src.view)])
+    assert host.link.accept_inline(INLINE_MAX) == INLINE_MAX
+    view = host.link.local_view(span)
+    assert view is not None
+    assert bytes(view) == bytes(src.view)
+    assert host.link.local_view((src.addr + 1, INLINE_MAX, src.rkey)) is None  # past the end
+    assert host.link.local_view((src.addr, 16, src.rkey + 1)) is None  # no such region
+    written = host.link.register(64, Access.REMOTE_WRITE)
+    assert host.link.local_view((written.addr, 16, written.rkey)) is None  # not READ-able
+    sizes = (1, 176, 177, INLINE_MAX) * (RECV_DEPTH // 2)  # more SENDs than send slots
+    host.link.send([(head, view[:n]) for n in sizes])
+    for n in sizes:
+        assert await bounded(agent.recv()) == head + bytes(view[:n])
+    with pytest.raises(ValueError, match="exceeds"):
+        host.send(os.urandom(80 + INLINE_MAX + 1))
+    with pytest.raises(ValueError, match="exceeds"):
+        host.link.send([(head + b"x", view)])
+    host.send(b"still up")
+    assert await bounded(agent.recv()) == b"still up"
+
+
+async def test_send_slots_grow_only_while_no_send_is_in_flight(inline_pair):
+    host, agent = inline_pair
+    host.send(b"first")  # posted now, its completion polled on a later loop iteration
+    with pytest.raises(TransportError, match="in flight"):
+        host.link.accept_inline(INLINE_MAX)
+    assert await bounded(agent.recv()) == b"first"
