@@ -298,6 +298,24 @@ class _Config:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
+# An agent link's RECV ring at most: inline sources make every RECV buffer 80 +
+# inline_max bytes, and a client chooses the queue depth (so the ring's length) of each of
+# the sessions it may open. Past this the link offers less (`inline_within`).
+RECV_RING_BYTES: Final = 2 << 20
+
+
+def inline_within(inline_max: int, recv_depth: int) -> int:
+    """The inline_max a link with `recv_depth` RECV buffers offers for a wanted `inline_max`.
+
+    As asked while its RECV ring stays within RECV_RING_BYTES; else what fits, in steps
+    of 512 bytes, and never less than what a 256-byte buffer holds anyway (176).
+    """
+    fits = RECV_RING_BYTES // recv_depth - SUBMIT_SIZE
+    if fits >= inline_max:
+        return inline_max
+    return min(inline_max, max(fits - fits % 512, MAX_CAPSULE - SUBMIT_SIZE))
+
+
 def _slot_bytes(inline_max: int) -> int:
     """A capsule slot's bytes when SUBMITs carry up to `inline_max` source bytes."""
     if not 0 <= inline_max <= MAX_INLINE:
@@ -910,6 +928,8 @@ class VerbsAgentLink(AgentLink):
         recv_depth: RECV buffers posted; default 2 * queue_depth + 8.
         inline_max: the largest job source a SUBMIT may carry inline (0..16384); each
             RECV buffer is then max(256, 80 + inline_max) bytes (docs/data-plane.md 2.8).
+            The link offers less (`self.inline_max`) where the RECV ring would exceed
+            RECV_RING_BYTES.
     """
 
     needs_polling = True
@@ -928,11 +948,11 @@ class VerbsAgentLink(AgentLink):
         # A job has at most a WRITE and its COMPLETION's SEND in flight, and every send
         # slot may hold a refusal besides: 3 per job keeps the send queue from filling.
         depth = 3 * queue_depth + 8 if send_depth is None else send_depth
-        slot = _slot_bytes(inline_max)
-        self._qp = _QueuePair(
-            _config(device, port, gid_index, queue_depth, depth, recv_depth, 0, slot)
-        )
-        self.inline_max = inline_max
+        config = _config(device, port, gid_index, queue_depth, depth, recv_depth, 0)
+        _slot_bytes(inline_max)  # in range
+        self.inline_max = inline_within(inline_max, config.recv_depth)
+        slot = _slot_bytes(self.inline_max)
+        self._qp = _QueuePair(dataclasses.replace(config, recv_slot=slot))
 
     @property
     def error(self) -> TransportError | None:  # type: ignore[override]
