@@ -15,9 +15,9 @@ hop:
     wire   completion until the SDK's link hands the capsule over    A3 -> H2
     host   wake       the awaiting task runs again                   H2 -> H3
 
-On tcp the SDK sends a 4 KiB source inside the SUBMIT (docs/data-plane.md 2.8): there
-is no READ, and the agent's rows are its whole job (A0 -> A3) and `admit (Python)`;
-`--no-inline` measures the READ path instead.
+The SDK sends a 4 KiB source inside the SUBMIT (docs/data-plane.md 2.8; both
+transports): there is no READ, and the agent's rows are its whole job (A0 -> A3) and
+`admit (Python)`; `--no-inline` measures the READ path instead.
 
 and, per side, the time inside the job's span spent in posting (verbs: the
 `ibv_post_send` of a prepared work request; tcp: the `sendmsg` of the queued frames),
@@ -307,7 +307,7 @@ def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[di
             for job in merged
             if start in job and (not end or end in job)
         )
-        if not values:  # no READ hop: on tcp the SDK sends a 4 KiB source inline
+        if not values:  # no READ hop: the SDK sends a 4 KiB source inline
             continue
         rows.append(
             {
@@ -330,7 +330,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--poll-mode", default="adaptive")
     parser.add_argument(
-        "--no-inline", action="store_true", help="tcp: READ the source (no inline SUBMIT)"
+        "--no-inline", action="store_true", help="READ the source (no inline SUBMIT)"
     )
     parser.add_argument(
         "--switch-interval",

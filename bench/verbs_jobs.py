@@ -6,9 +6,11 @@ the SDK. Needs an RDMA device, so `make bench` runs it in the soft-RoCE test VM:
     python3 deploy/testvm/testvm.py run -- .venv/bin/python -m bench.verbs_jobs
 
 - `4 KiB copy job p50` / `p99`: one job in flight, submit to completion as the SDK sees
-  it (capsule SEND, the agent's RDMA READ and RDMA WRITE, completion SEND), against
-  `ib_write_lat -s 4096` typical and p99 (half a round trip of one WRITE: a copy job is
-  two round trips of RDMA plus two SENDs, so expect a ratio well below 1);
+  it (the SUBMIT's SEND carrying the 4 KiB source inline, the agent's RDMA WRITE, the
+  completion's SEND), against `ib_write_lat -s 4096` typical and p99 (half a round trip
+  of one WRITE, so expect a ratio well below 1);
+- `4 KiB copy job p50, READ path`: the same with `open_session(inline=False)`: the
+  agent RDMA READs the source (one more round trip and post);
 - `4 KiB copy job p50, vs the pyverbs floor`: the same job against `bench.pyverbs_floor`
   (the job written directly on pyverbs, two processes, busy polling: how far pure
   Python goes on this device), and the floor's own ratio to ib_write_lat;
@@ -44,11 +46,11 @@ IN_FLIGHT = 16
 MIB = float(1 << 20)
 
 
-async def job_latency_us(target: str) -> list[float]:
+async def job_latency_us(target: str, *, inline: bool = True) -> list[float]:
     """Sorted submit-to-completion times of 4 KiB copy jobs, one in flight."""
     async with (
         host_client.Client(target, timeout=60) as client,
-        await client.open_session(transport="verbs", queue_depth=4) as session,
+        await client.open_session(transport="verbs", queue_depth=4, inline=inline) as session,
     ):
         src = await session.alloc(4096, readable=True)
         dst = await session.alloc(4096, writable=True)
@@ -87,6 +89,19 @@ def measure() -> tuple[list[Result], list[Table]]:
                 "4 KiB copy job p99", p99_ours, p99, "us", "ib_write_lat p99", False, tolerance=TAIL
             ),
         ]
+        read_path = quantile(asyncio.run(job_latency_us(target, inline=False)), 0.5)
+        print(f"4 KiB copy job, READ path: p50 {read_path:.0f} us")
+        results.append(
+            Result(
+                "4 KiB copy job p50, READ path",
+                read_path,
+                typical,
+                "us",
+                "ib_write_lat typ",
+                False,
+                note="open_session(inline=False): the agent READs the source",
+            )
+        )
         floor = common.run_module("bench.pyverbs_floor", "--jobs", str(FLOOR_JOBS))
         print(f"pyverbs floor: p50 {floor['p50_us']:.0f} us, p99 {floor['p99_us']:.0f} us")
         results += [
