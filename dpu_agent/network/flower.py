@@ -270,7 +270,8 @@ def flower_match(match: FlowMatch) -> tuple[int, bytes, tuple[tuple[int, bytes],
     """
     protocol, attrs = _match_attrs(match)
     keys = b"".join([nl.attr(kind, payload) for kind, payload in attrs])
-    mask = tuple(sorted([(kind, value if kind in MASK_KEYS else b"") for kind, value in attrs]))
+    # `_match_attrs` appends the keys in one fixed order, so equal key sets give equal masks
+    mask = tuple([(kind, value if kind in MASK_KEYS else b"") for kind, value in attrs])
     return protocol, keys, mask
 
 
@@ -343,14 +344,14 @@ def _vlan(action: VlanPush | VlanPop, control: int) -> bytes:
 def _action(action: Action, *, last: bool, ifindex: Mapping[str, int]) -> tuple[str, bytes]:
     """(tc action kind, its options) for one action at its place in the list."""
     control = TC_ACT_OK if last else TC_ACT_PIPE
-    if isinstance(action, Forward | Mirror):
+    if isinstance(action, (Forward, Mirror)):
         redirect = isinstance(action, Forward)
         parms = TC_GEN.pack(0, 0, TC_ACT_STOLEN if redirect else control, 0, 0)
         parms += struct.pack(
             "=iI", TCA_EGRESS_REDIR if redirect else TCA_EGRESS_MIRROR, ifindex[action.port]
         )
         return "mirred", nl.attr(TCA_ACT_PARMS, parms)
-    if isinstance(action, Drop | Count):
+    if isinstance(action, (Drop, Count)):
         verdict = TC_ACT_SHOT if isinstance(action, Drop) else control
         return "gact", nl.attr(TCA_ACT_PARMS, TC_GEN.pack(0, 0, verdict, 0, 0))
     if isinstance(action, Police):

@@ -119,19 +119,21 @@ class Rtnl:
         if not requests:
             return {}
         first = self._seq + 1
-        datagram = b""
+        datagram: list[bytes] = []  # joined once full: += would copy it for every request
+        size = 0
         last = len(requests) - 1
         refused: dict[int, nl.KernelError] = {}
         try:
             for index, (msg_type, flags, body) in enumerate(requests):
                 ack = nl.NLM_F_ACK if index == last else 0
                 msg = nl.message(msg_type, flags | ack, self._next_seq(), body)
-                if datagram and len(datagram) + len(msg) > BATCH_DATAGRAM:
-                    self._sock.send(datagram)
+                if size and size + len(msg) > BATCH_DATAGRAM:
+                    self._sock.send(b"".join(datagram))
                     self._drain(first, refused, block_until=None)
-                    datagram = b""
-                datagram += msg
-            self._sock.send(datagram)
+                    datagram, size = [], 0
+                datagram.append(msg)
+                size += len(msg)
+            self._sock.send(b"".join(datagram))
             self._drain(first, refused, block_until=self._seq)
         except OSError as exc:
             if exc.errno == errno.ENOBUFS:

@@ -145,9 +145,9 @@ def _check_action(
     rule: FlowRule, index: int, action: Action, ports: Collection[str] | None
 ) -> None:
     where = f"actions[{index}]: "
-    if isinstance(action, Forward | Drop) and index != len(rule.actions) - 1:
+    if isinstance(action, (Forward, Drop)) and index != len(rule.actions) - 1:
         raise InvalidArgument(f"{where}{type(action).__name__.lower()} must be the last action")
-    if isinstance(action, Forward | Mirror):
+    if isinstance(action, (Forward, Mirror)):
         if ports is not None and action.port not in ports:
             raise InvalidArgument(f"{where}port {action.port!r} is not a managed port")
         if action.port == rule.ingress_port:

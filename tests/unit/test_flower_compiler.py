@@ -259,6 +259,7 @@ def test_actions_encoded_from_a_shared_template_are_byte_for_byte_the_same(actio
 def test_the_mask_is_the_keys_present_with_the_mask_attributes_values(match):
     _, keys, mask = flower.flower_match(match)
     read_back = nl.parse_attrs(keys)
-    assert [kind for kind, _ in mask] == sorted(read_back)
+    assert sorted(kind for kind, _ in mask) == sorted(read_back)
+    assert len(mask) == len(read_back)
     for kind, value in mask:
         assert value == (read_back[kind] if kind in flower.MASK_KEYS else b"")
