@@ -17,7 +17,9 @@ domain, two completion queues and one RC queue pair:
   ends the batch by itself and a following end_poll corrupts the queue). A WRITE may
   be posted unsignalled when a signalled operation follows it (a job's last WRITE and
   its COMPLETION's SEND): RC completes the send queue in order, so the signalled
-  completion covers it.
+  completion covers it. Such a WRITE is held back until that SEND is posted, and both
+  go in one `ibv_post_send` (a chained pair of work requests: one doorbell); if no SEND
+  follows within the reactor's pass, `flush` posts the WRITE alone.
 - RECV completions come from a plain CQ bound to a completion channel: the only
   completions a side ever needs to be woken for are capsules (pyverbs 44 cannot arm an
   extended CQ). A side that has nothing in flight arms the channel and sleeps on its
@@ -371,6 +373,8 @@ class _QueuePair:
         self._next_wr_id = 1
         self._free_slots = list(range(config.queue_depth))
         self._send_slot = MAX_CAPSULE  # bytes of each send slot (`grow_send_slots`)
+        # an unsignaled WRITE not posted yet: (local addr, length, lkey, remote addr, rkey)
+        self._held: tuple[int, int, int, int, int] | None = None
         self.error: TransportError | None = None
         self._unreported: list[int] = []  # tokens of a failed link not yet reported
         self._recv_flushed = False  # a RECV failed: the QP is in error (see `_received`)
@@ -441,6 +445,17 @@ class _QueuePair:
             self._wrs[name] = (wr, sge)
         self._send_wr, self._send_sge = self._wrs["send"]
         self._send_sge.lkey = self._send_ring.lkey
+        # An unsignaled WRITE whose `next` is the SEND's work request: a job's last WRITE
+        # and its COMPLETION go to the device in one ibv_post_send (one doorbell: on rxe
+        # one system call and one run of the requester instead of two). `post_rdma` holds
+        # such a WRITE back until the SEND comes, or `flush` posts it alone.
+        chain_sge = SGE(0, 0, 0)
+        chain_wr = SendWR(
+            wr_id=0, opcode=ev.IBV_WR_RDMA_WRITE, num_sge=1, sg=[chain_sge], send_flags=0
+        )
+        chain_wr.sg_list = chain_sge
+        chain_wr.next_wr = self._send_wr
+        self._chain = (chain_wr, chain_sge)
         # Kept, not read from the QP each time: a destroyed pyverbs QP must not be touched
         # (its qp_num reads freed memory), and a failed session is still listed.
         self._address = VerbsAddress(
@@ -534,7 +549,11 @@ class _QueuePair:
 
     def room(self) -> int:
         """Work requests that can be posted now (a SEND also needs a free send slot)."""
-        return self._config.send_depth - len(self._sq)
+        return self._config.send_depth - self._queued()
+
+    def _queued(self) -> int:
+        """Send-queue entries taken: posted and not completed, and a held WRITE."""
+        return len(self._sq) + (self._held is not None)
 
     def send_room(self) -> int:
         """Capsules that can be sent now."""
@@ -580,7 +599,10 @@ class _QueuePair:
         sge = self._send_sge
         sge.addr = self._send_ring.addr + offset
         sge.length = total
-        self._post(self._send_wr, token, slot, "SEND")
+        if self._held is None:
+            self._post(self._send_wr, token, slot, "SEND")
+        else:
+            self._post_chain(token, slot)
 
     def post_rdma(  # noqa: PLR0913, PLR0917 - an RDMA operation's operands
         self,
@@ -601,6 +623,11 @@ class _QueuePair:
         if length > self._max_msg:
             raise ValueError(f"{length} bytes exceed the port's max_msg_sz {self._max_msg}")
         self._check_post()
+        if self._held is not None:  # what was posted first goes to the device first
+            self._post_held()
+        if kind == "write_unsignaled":
+            self._held = (local.addr + offset, length, local.lkey, remote[0], remote[1])
+            return
         wr, sge = self._wrs[kind]
         sge.addr = local.addr + offset
         sge.length = length
@@ -608,12 +635,48 @@ class _QueuePair:
         wr.set_wr_rdma(remote[1], remote[0])
         self._post(wr, token, None, "RDMA READ" if kind == "read" else "RDMA WRITE")
 
+    def flush(self) -> None:
+        """Post a held WRITE alone (no SEND followed it in this pass)."""
+        if self._held is not None and self.error is None and not self._closed:
+            self._post_held()
+
+    def _post_held(self) -> None:
+        assert self._held is not None  # noqa: S101 - the callers checked
+        addr, length, lkey, remote_addr, rkey = self._held
+        self._held = None
+        wr, sge = self._wrs["write_unsignaled"]
+        sge.addr, sge.length, sge.lkey = addr, length, lkey
+        wr.set_wr_rdma(rkey, remote_addr)
+        self._post(wr, None, None, "RDMA WRITE")
+
+    def _post_chain(self, token: int | None, slot: int) -> None:
+        """Post the held WRITE and the SEND prepared in the send WR with one call."""
+        assert self._held is not None  # noqa: S101 - the caller checked
+        addr, length, lkey, remote_addr, rkey = self._held
+        self._held = None
+        wr, sge = self._chain
+        sge.addr, sge.length, sge.lkey = addr, length, lkey
+        wr.set_wr_rdma(rkey, remote_addr)
+        write_id = self._next_wr_id
+        self._next_wr_id = write_id + 2
+        wr.wr_id = write_id
+        self._send_wr.wr_id = write_id + 1
+        try:
+            self._qp.post_send(wr)
+        except PyverbsError as exc:
+            self._free_slots.append(slot)
+            error = TransportError(f"posting RDMA WRITE + SEND failed: {exc}")
+            self.fail(error, None)
+            raise error from exc
+        self._sq.append((write_id, None, None))
+        self._sq.append((write_id + 1, token, slot))
+
     def _check_post(self) -> None:
         if self.error is not None:
             raise self.error
         if not self.connected:
             raise TransportError("not connected")
-        if len(self._sq) >= self._config.send_depth:
+        if self._queued() >= self._config.send_depth:
             raise TransportError("the send queue is full")
 
     def _post(self, wr: Any, token: int | None, slot: int | None, what: str) -> None:  # noqa: ANN401 - a pyverbs SendWR
@@ -1011,7 +1074,9 @@ class VerbsAgentLink(AgentLink):
         self._qp.post_send(capsule, token)
 
     def flush(self) -> None:
-        """Nothing to do: every post went to the device already."""
+        """Post a WRITE held back for a SEND that did not come in this pass."""
+        with contextlib.suppress(TransportError):  # the link failed: `error` says why
+            self._qp.flush()
 
     def poll(self, sink: LinkSink, budget: int) -> int:
         """Take send completions and up to `budget` capsules."""

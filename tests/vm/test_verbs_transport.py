@@ -181,6 +181,27 @@ async def test_write_is_visible_before_a_later_capsule(pair):
     assert bytes(region.view) == b"\x5a" * (1 << 20)
 
 
+async def test_an_unsignalled_write_with_no_send_behind_it_goes_at_the_end_of_the_pass(pair):
+    host, agent = pair
+    size = 1 << 16
+    region = host.link.register(size, Access.REMOTE_WRITE)
+    staging = agent.staging(size)
+    staging.view[:] = os.urandom(size)
+
+    def post() -> None:  # held back for a SEND that never comes: the pass's flush posts it
+        agent.link.post_write(staging, 0, size, region.addr, region.rkey, None)
+        agent.reactor.wake(agent.link)
+
+    agent.reactor.call(post)
+
+    async def landed() -> None:
+        while bytes(region.view[size - 16 :]) != bytes(staging.view[size - 16 :]):  # noqa: ASYNC110 - the NIC writes this memory: nothing to wait on
+            await asyncio.sleep(0.01)
+
+    await bounded(landed(), 20)
+    assert_same_bytes(region.view, staging.view)
+
+
 @pytest.mark.parametrize(
     ("access", "op", "offset", "length", "key_delta"),
     [
