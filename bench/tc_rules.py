@@ -11,7 +11,7 @@ netns dpu, no bridge):
   ApplyFlowRules: compile, one dump per port, one netlink batch), and through
   `TcFlowBackend.install`, one call per rule, on rep1, each vs the same 1000
   filters on rep3 with one `tc -batch` (its process start included) right after;
-  the bulk pair three times, interleaved, each side's median;
+  the bulk pair five times, interleaved, each side's median;
 - forwarding: TCP h1 -> h2 for 2 s (64 KiB sends) and a UDP flood of 1400-byte
   datagrams (bytes rep2 sent on to h2) through forward rules, with the 1000
   non-matching rules at higher priority on rep1 vs the forward rules alone. Each
@@ -45,7 +45,7 @@ from tests.vm.network.topology import (
 NAME = "tc_rules"
 RULES = 1000
 SECONDS = 2.0
-BULK_ROUNDS = common.quick(3, 1)  # interleaved (ours, tc -batch) pairs of the bulk install
+BULK_ROUNDS = common.quick(5, 1)  # interleaved (ours, tc -batch) pairs of the bulk install
 FORWARD_PRIORITY = RULES + 1000
 TCP_PORT = 5201
 UDP_PORT = 5202
