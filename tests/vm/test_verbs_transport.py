@@ -9,6 +9,7 @@ retry budget is spent.
 """
 
 import asyncio
+import contextlib
 import os
 import random
 import subprocess
@@ -45,8 +46,10 @@ def spin(request):
     return request.param
 
 
-@pytest_asyncio.fixture
-async def pair(rdma_port, host_port, spin):
+@contextlib.asynccontextmanager
+async def _linked(rdma_port, host_port, spin, inline_max=0):
+    """The agent's link on rdma_port (on a reactor polling as `spin` says), the host's on
+    host_port, connected."""
     async with reactor(spin) as r:
         host, agent = await verbs_pair(
             r,
@@ -57,6 +60,7 @@ async def pair(rdma_port, host_port, spin):
                 "port": host_port.port,
                 "gid_index": host_port.gid_index,
             },
+            inline_max=inline_max,
             device=rdma_port.device,
             port=rdma_port.port,
             gid_index=rdma_port.gid_index,
@@ -64,6 +68,12 @@ async def pair(rdma_port, host_port, spin):
         yield host, agent
         await agent.close()
         await host.close()
+
+
+@pytest_asyncio.fixture
+async def pair(rdma_port, host_port, spin):
+    async with _linked(rdma_port, host_port, spin) as linked:
+        yield linked
 
 
 def assert_same_bytes(got, want):
@@ -392,23 +402,8 @@ INLINE_MAX = 4096
 @pytest_asyncio.fixture
 async def inline_pair(rdma_port, host_port):
     """A pair whose agent link takes INLINE SUBMITs of up to INLINE_MAX source bytes."""
-    async with reactor() as r:
-        host, agent = await verbs_pair(
-            r,
-            queue_depth=QUEUE_DEPTH,
-            host_where={
-                "device": host_port.device,
-                "port": host_port.port,
-                "gid_index": host_port.gid_index,
-            },
-            inline_max=INLINE_MAX,
-            device=rdma_port.device,
-            port=rdma_port.port,
-            gid_index=rdma_port.gid_index,
-        )
-        yield host, agent
-        await agent.close()
-        await host.close()
+    async with _linked(rdma_port, host_port, 0.002, INLINE_MAX) as linked:
+        yield linked
 
 
 async def test_inline_sources_arrive_whole_once_the_host_accepts_them(inline_pair):
