@@ -228,3 +228,19 @@ def test_rules_installed_one_by_one_stay_in_priority_order(steps, barriers):
 
 
 PACKETS = [(0, 1, 0, 1), (0, 2, 0, 3), (0, 1, 1, 4), (1, 1, 0, 2), (0, 3, 0, 4)]
+
+
+def test_the_managed_names_remembered_are_bounded_and_the_answer_stays_right():
+    """Port names come from clients' rules: the memory of which match stays bounded."""
+    from dpu_agent.network.tc_backend import MANAGED_NAMES_KEPT  # noqa: PLC0415 - the bound
+
+    backend = TcFlowBackend(("rep*", "pf0vf*"))
+    try:
+        names = [f"{'rep' if n % 2 else 'eth'}{n}" for n in range(2 * MANAGED_NAMES_KEPT)]
+        for _ in range(2):  # asked again: remembered or not, the same answers
+            assert [backend.managed(n) for n in names] == [n.startswith("rep") for n in names]
+        assert len(backend._managed) == MANAGED_NAMES_KEPT
+        assert backend.managed("pf0vf3")
+        assert not backend.managed("pf1vf3")
+    finally:
+        backend.close()
