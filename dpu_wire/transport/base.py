@@ -106,6 +106,19 @@ class Region(abc.ABC):
     access: Access
 
 
+def readable_view(region: Region | None, span: Span) -> memoryview | None:
+    """`region`'s memory behind `span` if the region grants REMOTE_READ and holds all of it.
+
+    What a host link sends an inline source from (`HostLink.local_view`).
+    """
+    if region is None or not region.access & Access.REMOTE_READ:
+        return None
+    offset = span[0] - region.addr
+    if offset < 0 or offset + span[1] > region.length:
+        return None
+    return region.view[offset : offset + span[1]]
+
+
 class LinkSink(Protocol):
     """What an `AgentLink` reports to, from inside `poll` (the reactor thread)."""
 

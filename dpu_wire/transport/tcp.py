@@ -50,6 +50,7 @@ from dpu_wire.transport.base import (
     RemoteAccessError,
     TcpAddress,
     TransportError,
+    readable_view,
 )
 
 if TYPE_CHECKING:
@@ -796,13 +797,7 @@ class TcpHostLink(HostLink, FrameHandler):
 
     def local_view(self, span: Span) -> memoryview | None:
         """The memory behind `span` if it lies in a region the agent may READ."""
-        region = self._regions.get(span[2])
-        if region is None or not region.access & Access.REMOTE_READ:
-            return None
-        offset = span[0] - region.addr
-        if offset < 0 or offset + span[1] > region.length:
-            return None
-        return region.view[offset : offset + span[1]]
+        return readable_view(self._regions.get(span[2]), span)
 
     def _readable(self) -> None:
         stream = self._stream

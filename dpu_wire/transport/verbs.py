@@ -79,6 +79,7 @@ from dpu_wire.transport.base import (
     RemoteAccessError,
     TransportError,
     VerbsAddress,
+    readable_view,
 )
 
 if TYPE_CHECKING:
@@ -640,23 +641,23 @@ class _QueuePair:
         if self._held is not None and self.error is None and not self._closed:
             self._post_held()
 
-    def _post_held(self) -> None:
+    def _take_held(self, wr: Any, sge: Any) -> None:  # noqa: ANN401 - pyverbs SendWR, SGE
+        """Write the held WRITE's operands into `wr` and `sge`; nothing is held after."""
         assert self._held is not None  # noqa: S101 - the callers checked
         addr, length, lkey, remote_addr, rkey = self._held
         self._held = None
-        wr, sge = self._wrs["write_unsignaled"]
         sge.addr, sge.length, sge.lkey = addr, length, lkey
         wr.set_wr_rdma(rkey, remote_addr)
+
+    def _post_held(self) -> None:
+        wr, sge = self._wrs["write_unsignaled"]
+        self._take_held(wr, sge)
         self._post(wr, None, None, "RDMA WRITE")
 
     def _post_chain(self, token: int | None, slot: int) -> None:
         """Post the held WRITE and the SEND prepared in the send WR with one call."""
-        assert self._held is not None  # noqa: S101 - the caller checked
-        addr, length, lkey, remote_addr, rkey = self._held
-        self._held = None
         wr, sge = self._chain
-        sge.addr, sge.length, sge.lkey = addr, length, lkey
-        wr.set_wr_rdma(rkey, remote_addr)
+        self._take_held(wr, sge)
         write_id = self._next_wr_id
         self._next_wr_id = write_id + 2
         wr.wr_id = write_id
@@ -1140,7 +1141,7 @@ class VerbsHostLink(HostLink):
         self._closed = False
         self._backlog: collections.deque[tuple[bytes, memoryview | None]] = collections.deque()
         self.inline_max = 0  # sources SUBMITs carry inline (`accept_inline`)
-        self._readable: dict[int, VerbsRegion] = {}  # by rkey: regions granting REMOTE_READ
+        self._by_rkey: dict[int, VerbsRegion] = {}  # the regions registered, for local_view
 
     @property
     def address(self) -> VerbsAddress:
@@ -1154,14 +1155,13 @@ class VerbsHostLink(HostLink):
     def register(self, length: int, access: Access) -> VerbsRegion:
         """Allocate `length` bytes and register them with only the access asked for."""
         region = self._qp.register(length, access, _mr_flags(access))
-        if access & Access.REMOTE_READ:
-            self._readable[region.rkey] = region
+        self._by_rkey[region.rkey] = region
         return region
 
     def deregister(self, region: Region) -> None:
         """Deregister and unmap a region: the agent's later accesses fail."""
-        if self._readable.get(region.rkey) is region:
-            del self._readable[region.rkey]
+        if self._by_rkey.get(region.rkey) is region:
+            del self._by_rkey[region.rkey]
         self._qp.deregister(region)
 
     def accept_inline(self, limit: int) -> int:
@@ -1178,13 +1178,7 @@ class VerbsHostLink(HostLink):
         """The memory behind `span` if it lies in a region the agent may READ."""
         if not self.inline_max:
             return None
-        region = self._readable.get(span[2])
-        if region is None:
-            return None
-        offset = span[0] - region.addr
-        if offset < 0 or offset + span[1] > region.length:
-            return None
-        return region.view[offset : offset + span[1]]
+        return readable_view(self._by_rkey.get(span[2]), span)
 
     def start(
         self,
