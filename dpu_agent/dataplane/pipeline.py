@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING, Any, Final
 from dpu_agent import status
 from dpu_agent.dataplane.admission import JobRequest, admit
 from dpu_agent.dataplane.jobs import JobRecord, Origin
-from dpu_agent.dataplane.runners import RUNNERS, Io, Read, Sleep, Work, Write, buffers_needed
+from dpu_agent.dataplane.runners import (
+    RUNNERS,
+    BatchWrite,
+    Io,
+    Read,
+    Sleep,
+    Work,
+    Write,
+    buffers_needed,
+)
 from dpu_agent.errors import AgentError, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from dpu_wire import capsule
 from dpu_wire.capsule import CapsuleError, Opcode, Span, State
@@ -137,6 +146,7 @@ class Pipeline(LinkSink):
         self._run_of: dict[int, _Run] = {}  # by job id
         self._next_token = 1
         self._finished: list[JobRecord] = []
+        self._writes: list[tuple[_Run, BatchWrite]] = []  # this pass's, for one write_batch
         self._backlog: collections.deque[tuple[bytes, int | None]] = collections.deque()
         # SubmitJob requests waiting for a slot: the job (admitted) and who to answer
         self._waiting: collections.deque[
@@ -156,6 +166,8 @@ class Pipeline(LinkSink):
 
     def end_pass(self) -> None:
         """Push out what this pass posted and publish the jobs that finished."""
+        while self._writes:  # jobs resumed by a batch may gather more (their next chunk)
+            self._write_batch()
         if self._backlog:
             self._send_backlog()
         self.link.flush()
@@ -402,22 +414,59 @@ class Pipeline(LinkSink):
                 return False, None, None  # the COMPLETION's SEND follows and covers it
             run.pending += 1
             return True, None, None
-        if kind is Io and not op.blocking:  # type: ignore[union-attr]
-            try:
-                return False, op.fn(), None  # type: ignore[union-attr]
-            except TransportError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - thrown into the runner
-                return False, None, exc
-        if kind is Io or kind is Work:
+        if kind is BatchWrite or kind is Io:
+            return self._perform_store(run, op)  # type: ignore[arg-type]
+        if kind is Work:
             run.pending += 1
-            offload = self._reactor.io if kind is Io else self._reactor.compute
-            offload(op.fn, lambda f: self._resumed(run, f))  # type: ignore[union-attr]
+            self._reactor.compute(op.fn, lambda f: self._resumed(run, f))  # type: ignore[union-attr]
             return True, None, None
         if kind is Sleep:
             run.timer = self._reactor.call_later(op.seconds, lambda: self._slept(run))  # type: ignore[union-attr]
             return True, None, None
         return False, None, TypeError(f"unknown job operation {op!r}")
+
+    def _perform_store(
+        self, run: _Run, op: Io | BatchWrite
+    ) -> tuple[bool, object, BaseException | None]:
+        """A storage call: gathered for the pass's batch, run inline, or on a storage worker."""
+        if type(op) is BatchWrite:
+            if not self._writes:
+                self._reactor.wake(self.link)  # so this pass ends with end_pass, which runs it
+            self._writes.append((run, op))
+            run.pending += 1
+            return True, None, None
+        if self._writes:
+            self._write_batch()  # a session's store calls keep their order
+        assert type(op) is Io  # noqa: S101 - the two kinds of storage operation
+        if not op.blocking:
+            try:
+                return False, op.fn(), None
+            except TransportError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - thrown into the runner
+                return False, None, exc
+        run.pending += 1
+        self._reactor.io(op.fn, lambda f: self._resumed(run, f))
+        return True, None, None
+
+    def _write_batch(self) -> None:
+        """Run the gathered BatchWrites in one store call; resume each job with its result."""
+        batch, self._writes = self._writes, []
+        live = [(run, op) for run, op in batch if not run.job.done]
+        storage = self._storage
+        assert storage is not None  # noqa: S101 - a volume runner checked it before its BatchWrite
+        results: list[BaseException | None]
+        try:
+            results = list(storage.write_batch([op for _, op in live]))
+        except Exception as exc:  # noqa: BLE001 - each job gets it (an AgentError, or INTERNAL)
+            results = [exc] * len(live)
+        errors = iter(results)
+        for run, _ in batch:
+            run.pending -= 1
+            if run.job.done:
+                self._release_if_idle(run)
+            else:
+                self._advance(run, None, next(errors))
 
     def _resumed(self, run: _Run, future: concurrent.futures.Future[Any]) -> None:
         run.pending -= 1

@@ -14,6 +14,10 @@ The operations:
   CRCs of large chunks), resumed with its result.
 - `Io`: a storage call, run inline when it cannot block for long (a small read or
   write to the page cache), else on a storage worker thread.
+- `BatchWrite`: a small write that need not be durable yet. The pipeline gathers the
+  pass's BatchWrites and makes one `Storage.write_batch` call for them at the end of the
+  pass (or before its next storage call, so a session's store calls keep their order):
+  the store then allocates, reserves log room and takes its lock once for all of them.
 - `Sleep`: wait (a QoS throttle) without holding anything but the job's buffers.
 
 Cancellation and deadlines are the pipeline's: it stops resuming a generator whose job
@@ -29,10 +33,11 @@ from dpu_agent.errors import InvalidArgument, NotFound
 from dpu_wire.jobkinds import SHA256_BYTES, JobKind
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Generator
+    from collections.abc import Callable, Generator, Sequence
 
     from dpu_agent.dataplane.jobs import JobRecord
     from dpu_agent.dataplane.staging import Buffer
+    from dpu_agent.errors import AgentError
 
 INLINE_BYTES: Final = 64 << 10  # CRC, hash and storage calls up to this size run inline
 
@@ -71,13 +76,21 @@ class Io(NamedTuple):
     blocking: bool
 
 
+class BatchWrite(NamedTuple):
+    """Write whole blocks (not durably) with the pass's other BatchWrites; resumed with None."""
+
+    volume_id: str
+    offset: int
+    view: memoryview
+
+
 class Sleep(NamedTuple):
     """Wait `seconds`."""
 
     seconds: float
 
 
-Op = Read | Write | Work | Io | Sleep
+Op = Read | Write | Work | Io | BatchWrite | Sleep
 Runner: TypeAlias = "Generator[Op, Any, None]"
 
 
@@ -86,6 +99,9 @@ class Storage(Protocol):
 
     def write(self, volume_id: str, offset: int, data: memoryview, *, fua: bool) -> None:
         """Store whole blocks (durable when `fua`)."""
+
+    def write_batch(self, writes: Sequence[tuple[str, int, memoryview]]) -> list[AgentError | None]:
+        """Several non-durable writes in order (`VolumeStore.write_batch`): each one's error."""
 
     def read_into(self, volume_id: str, offset: int, view: memoryview) -> None:
         """Load whole blocks into `view` (CRC checked)."""
@@ -225,10 +241,13 @@ def volume_write(job: JobRecord, buffers: list[Buffer], store: Storage | None) -
         job.bytes_read += size
         view = buffer.view[:size]
         last_fua = job.fua and offset + size == src.length
-        yield Io(
-            _bind_write(storage, job.volume_id, job.offset + offset, view, fua=last_fua),
-            blocking=last_fua or size > INLINE_BYTES,
-        )
+        if last_fua or size > INLINE_BYTES:
+            yield Io(
+                _bind_write(storage, job.volume_id, job.offset + offset, view, fua=last_fua),
+                blocking=True,
+            )
+        else:
+            yield BatchWrite(job.volume_id, job.offset + offset, view)
 
 
 def volume_read(job: JobRecord, buffers: list[Buffer], store: Storage | None) -> Runner:

@@ -12,8 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dpu_agent.errors import NotFound
+from dpu_agent.storage.backend import screened_batch
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from dpu_agent.errors import AgentError
     from dpu_agent.storage import VolumeStore
 
 
@@ -32,6 +36,10 @@ class TenantVolumes:
     def write(self, volume_id: str, offset: int, data: memoryview, *, fua: bool) -> None:
         """Store whole blocks (durable when `fua`)."""
         self._store.write(self._owned(volume_id), offset, data, fua=fua)
+
+    def write_batch(self, writes: Sequence[tuple[str, int, memoryview]]) -> list[AgentError | None]:
+        """Several non-durable writes in order: each one's error, or None."""
+        return screened_batch(writes, self._owned, self._store.write_batch)
 
     def read_into(self, volume_id: str, offset: int, view: memoryview) -> None:
         """Load whole blocks into `view` (CRC checked)."""

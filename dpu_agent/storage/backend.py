@@ -26,12 +26,14 @@ snapshot's image and shares its blocks until it overwrites them.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Self, TypeAlias
 
 from dpu_agent.auth import DEFAULT_TENANT
+from dpu_agent.errors import AgentError
 
 if TYPE_CHECKING:
     import builtins
+    from collections.abc import Callable, Sequence
     from types import TracebackType
 
     from dpu_agent.storage.types import (
@@ -41,6 +43,44 @@ if TYPE_CHECKING:
         VolumeInfo,
         VolumeStats,
     )
+
+
+BatchedWrite: TypeAlias = "tuple[str, int, bytes | memoryview]"  # (volume id, offset, data)
+
+
+def screened_batch(
+    writes: Sequence[BatchedWrite],
+    check: Callable[[str], object],
+    inner: Callable[[builtins.list[BatchedWrite]], builtins.list[AgentError | None]],
+) -> builtins.list[AgentError | None]:
+    """`write_batch` through a per-volume `check`.
+
+    Writes to a volume `check` refuses get its error; the others go to `inner` together,
+    in order.
+    """
+    verdicts: dict[str, AgentError | None] = {}
+    results: builtins.list[AgentError | None] = [None] * len(writes)
+    passing: builtins.list[BatchedWrite] = []
+    where: builtins.list[int] = []
+    for i, write in enumerate(writes):
+        volume_id = write[0]
+        if volume_id not in verdicts:
+            try:
+                check(volume_id)
+            except AgentError as exc:
+                verdicts[volume_id] = exc
+            else:
+                verdicts[volume_id] = None
+        error = verdicts[volume_id]
+        if error is None:
+            passing.append(write)
+            where.append(i)
+        else:
+            results[i] = error
+    if passing:
+        for i, result in zip(where, inner(passing), strict=True):
+            results[i] = result
+    return results
 
 
 class VolumeStore(abc.ABC):
@@ -92,6 +132,23 @@ class VolumeStore(abc.ABC):
         self, volume_id: str, offset: int, data: bytes | memoryview, *, fua: bool = False
     ) -> None:
         """Write whole blocks; with `fua` the data is durable when the call returns."""
+
+    def write_batch(self, writes: Sequence[BatchedWrite]) -> builtins.list[AgentError | None]:
+        """Several writes (not FUA), with the same effect as `write` for each in order.
+
+        Returns each write's error, or None: one write's error does not stop the others.
+        A store may share work between writes to the same volume (one allocation, one
+        log reservation); this default makes one `write` call per write.
+        """
+        results: builtins.list[AgentError | None] = []
+        for volume_id, offset, data in writes:
+            try:
+                self.write(volume_id, offset, data)
+            except AgentError as exc:
+                results.append(exc)
+            else:
+                results.append(None)
+        return results
 
     @abc.abstractmethod
     def flush(self, volume_id: str) -> None:

@@ -49,6 +49,7 @@ import crc32c
 
 from dpu_agent.auth import DEFAULT_TENANT
 from dpu_agent.errors import (
+    AgentError,
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -91,7 +92,14 @@ from dpu_agent.storage.records import (
 from dpu_agent.storage.space import SpaceMap
 from dpu_agent.storage.state import SNAPSHOT, VOLUME, Node, State, clone_volumes, resolve
 from dpu_agent.storage.stats import StatsCounter
-from dpu_agent.storage.types import NO_QOS, Encryption, QosLimits, SnapshotInfo, VolumeInfo
+from dpu_agent.storage.types import (
+    BLOCK_SIZES,
+    NO_QOS,
+    Encryption,
+    QosLimits,
+    SnapshotInfo,
+    VolumeInfo,
+)
 from dpu_agent.storage.validate import (
     as_byte_view,
     check_block_size,
@@ -105,8 +113,9 @@ from dpu_agent.storage.validate import (
 
 if TYPE_CHECKING:
     import builtins
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Sequence
 
+    from dpu_agent.storage.backend import BatchedWrite
     from dpu_agent.storage.blockmap import Entry
     from dpu_agent.storage.keys import KeySealer
     from dpu_agent.storage.media import StoreFile, StoreMedia
@@ -120,6 +129,8 @@ POOL: Final = "pool"
 # bounds the cost of a lookup and the snapshots a tenant can pile up on one volume.
 MAX_CHAIN_DEPTH: Final = 64
 _WRITE_RECORD_BYTES: Final = 16  # per block in a write record
+_IOV_MAX: Final = 512  # buffers per vectored write (Linux takes 1024)
+_ZEROS: Final = memoryview(bytes(max(BLOCK_SIZES)))  # padding after a short (compressed) block
 
 
 class LegacySource(Protocol):
@@ -164,6 +175,12 @@ def os_errors() -> Iterator[None]:
         if exc.errno == errno.EIO:
             raise DataCorruption(f"the volume's storage reported an I/O error: {reason}") from exc
         raise Unavailable(f"volume storage failed: {reason}") from exc
+
+
+def _raise_first(errors: builtins.list[AgentError | None]) -> None:
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 def _key_name(node: Node) -> str:
@@ -818,7 +835,8 @@ class CowVolumeStore(VolumeStore):
             first, count = check_range_in(node.size_bytes, bs, offset, length)
             codec = vol.codec or self._codec(vol)
             with os_errors():
-                seq = self._write(vol, codec, first, count, view)
+                seq, errors = self._write_items(vol, codec, [(first, count, view)])
+                _raise_first(errors)
                 if fua:
                     self._journal.wait(seq)
         except DataCorruption as exc:
@@ -830,82 +848,212 @@ class CowVolumeStore(VolumeStore):
             raise
         vol.stats.write(length, time.perf_counter() - start)
 
-    def _write(
-        self, vol: _Volume, codec: BlockCodec, first: int, count: int, view: memoryview
-    ) -> int:
+    def write_batch(self, writes: Sequence[BatchedWrite]) -> builtins.list[AgentError | None]:
+        """See `VolumeStore.write_batch`.
+
+        Each run of writes to one volume shares one allocation, one log reservation and
+        one pass under the lock.
+        """
+        results: builtins.list[AgentError | None] = [None] * len(writes)
+        start = 0
+        while start < len(writes):
+            end = start + 1
+            while end < len(writes) and writes[end][0] == writes[start][0]:
+                end += 1
+            self._write_run(writes, range(start, end), results)
+            start = end
+        return results
+
+    def _write_run(
+        self,
+        writes: Sequence[BatchedWrite],
+        indexes: range,
+        results: builtins.list[AgentError | None],
+    ) -> None:
+        """`write_batch` for `writes[indexes]`, all to one volume: errors into `results`."""
+        start = time.perf_counter()
+        volume_id = writes[indexes[0]][0]
+        try:
+            vol = self._volume(volume_id)
+        except AgentError as exc:
+            for i in indexes:
+                results[i] = exc
+            return
+        items, where = self._checked(vol, writes, indexes, results)
+        if not items:
+            return
+        errors: builtins.list[AgentError | None]
+        try:
+            codec = vol.codec or self._codec(vol)
+            with os_errors():
+                _, errors = self._write_items(vol, codec, items)
+        except AgentError as exc:
+            if isinstance(exc, DataCorruption):
+                log.warning("data corruption", extra={"volume_id": volume_id, "error": str(exc)})
+            errors = [exc] * len(items)
+        count = nbytes = 0
+        for i, (_, _, view), error in zip(where, items, errors, strict=True):
+            results[i] = error
+            if error is None:
+                count += 1
+                nbytes += view.nbytes
+            else:
+                vol.stats.error()
+        if count:  # the batch's time counts as each write's latency
+            vol.stats.write(nbytes, time.perf_counter() - start, count)
+
+    @staticmethod
+    def _checked(
+        vol: _Volume,
+        writes: Sequence[BatchedWrite],
+        indexes: range,
+        results: builtins.list[AgentError | None],
+    ) -> tuple[builtins.list[tuple[int, int, memoryview]], builtins.list[int]]:
+        """The writes with a valid range, as (first block, count, data), and their indexes.
+
+        The others' errors go into `results`.
+        """
+        node = vol.node
+        items: builtins.list[tuple[int, int, memoryview]] = []
+        where: builtins.list[int] = []
+        for i in indexes:
+            try:
+                view = as_byte_view(writes[i][2])
+                first, count = check_range_in(
+                    node.size_bytes, node.block_size, writes[i][1], view.nbytes
+                )
+            except AgentError as exc:
+                results[i] = exc
+                vol.stats.error()
+                continue
+            items.append((first, count, view))
+            where.append(i)
+        return items, where
+
+    @staticmethod
+    def _encode(
+        codec: BlockCodec, bs: int, first: int, count: int, view: memoryview
+    ) -> tuple[builtins.list[bytes | memoryview] | None, builtins.list[int], builtins.list[int]]:
+        """(payloads, or None when the data goes as it is; metas; CRCs) of `count` blocks."""
+        if codec.transparent:
+            crcs = [crc32c.crc32c(view[i * bs : (i + 1) * bs]) for i in range(count)]
+            return None, [pack_meta(bs, 0)] * count, crcs
+        payloads: builtins.list[bytes | memoryview] = []
+        metas, crcs = [], []
+        for i in range(count):
+            payload, rec = codec.encode(first + i, view[i * bs : (i + 1) * bs])
+            payloads.append(payload)
+            metas.append(pack_meta(rec.length, rec.flags))
+            crcs.append(crc32c.crc32c(payload) if rec.crc is None else rec.crc)
+        return payloads, metas, crcs
+
+    def _write_items(
+        self, vol: _Volume, codec: BlockCodec, items: builtins.list[tuple[int, int, memoryview]]
+    ) -> tuple[int, builtins.list[AgentError | None]]:
+        """Write `items` ((first block, count, data) each, in order) copy-on-write.
+
+        Their data goes to newly allocated space first; then, under the lock, each one's
+        records are applied and logged. One allocation and one log reservation serve them
+        all. Returns the last record's number (for `Journal.wait`) and each item's error:
+        only a write the volume was shrunk under fails alone; anything else raises.
+        """
         node = vol.node
         bs = node.block_size
-        payloads: builtins.list[bytes | memoryview] | None = None
-        if codec.transparent:
-            meta = pack_meta(bs, 0)
-            metas = [meta] * count
-            crcs = [crc32c.crc32c(view[i * bs : (i + 1) * bs]) for i in range(count)]
-        else:
-            payloads, metas, crcs = [], [], []
-            for i in range(count):
-                payload, rec = codec.encode(first + i, view[i * bs : (i + 1) * bs])
-                payloads.append(payload)
-                metas.append(pack_meta(rec.length, rec.flags))
-                crcs.append(crc32c.crc32c(payload) if rec.crc is None else rec.crc)
-        record_bytes = count * _WRITE_RECORD_BYTES + 20 * (1 + count // MAX_WRITE_ENTRIES)
+        encoded = [self._encode(codec, bs, first, count, view) for first, count, view in items]
+        total = sum(count for _, count, _ in items)
+        record_bytes = sum(
+            count * _WRITE_RECORD_BYTES + 20 * (1 + count // MAX_WRITE_ENTRIES)
+            for _, count, _ in items
+        )
         with self._lock:
             self._check_live(vol)
             self._journal.check()
-            sectors = self._space.alloc(count, bs)
+            sectors = self._space.alloc(total, bs)
             try:
                 promise = self._journal.reserve(record_bytes)
             except BaseException:
                 self._space.release(sectors, bs, backed=False)
                 raise
+        pieces: builtins.list[tuple[bytes | memoryview, int]] = []
+        for (_, count, view), (payloads, _, _) in zip(items, encoded, strict=True):
+            if payloads is None:
+                pieces.append((view, count))
+            else:
+                pieces.extend((payload, 1) for payload in payloads)
         try:
-            self._put_data(bs, sectors, view, payloads)
+            self._put_data(bs, sectors, pieces)
         except BaseException:
             with self._lock:
                 self._space.release(sectors, bs, backed=False)
                 self._journal.unreserve(promise)
             raise
-        entries = list(zip(sectors, metas, crcs, strict=True))
+        errors: builtins.list[AgentError | None] = [None] * len(items)
         with self._lock:
-            if vol.deleted or first + count > node.blocks:  # deleted or shrunk meanwhile
+            if vol.deleted:
                 self._space.release(sectors, bs, backed=True)
                 self._journal.unreserve(promise)
                 self._check_live(vol)
-                raise InvalidArgument(
-                    f"the write past {first * bs} bytes is past the end of the volume "
-                    f"({node.size_bytes} bytes): it was shrunk meanwhile"
-                )
             state, journal = self._state, self._journal
             seq = 0
-            for at in range(0, count, MAX_WRITE_ENTRIES):
-                part = entries[at : at + MAX_WRITE_ENTRIES]
-                frees = state.apply_write(node.node, first + at, part)
-                last = at + MAX_WRITE_ENTRIES >= count
-                seq = journal.append(
-                    write_record(node.node, first + at, part), frees, promise if last else 0
-                )
-        return seq
+            at = 0
+            for index, ((first, count, _), (_, metas, crcs)) in enumerate(
+                zip(items, encoded, strict=True)
+            ):
+                mine = sectors[at : at + count]
+                at += count
+                if first + count > node.blocks:  # shrunk meanwhile
+                    self._space.release(mine, bs, backed=True)
+                    errors[index] = InvalidArgument(
+                        f"the write past {first * bs} bytes is past the end of the volume "
+                        f"({node.size_bytes} bytes): it was shrunk meanwhile"
+                    )
+                    continue
+                entries = list(zip(mine, metas, crcs, strict=True))
+                for part_at in range(0, count, MAX_WRITE_ENTRIES):
+                    part = entries[part_at : part_at + MAX_WRITE_ENTRIES]
+                    frees = state.apply_write(node.node, first + part_at, part)
+                    seq = journal.append(write_record(node.node, first + part_at, part), frees)
+            journal.unreserve(promise)
+        return seq, errors
 
     def _put_data(
         self,
         bs: int,
         sectors: builtins.list[int],
-        view: memoryview,
-        payloads: builtins.list[bytes | memoryview] | None,
+        pieces: builtins.list[tuple[bytes | memoryview, int]],
     ) -> None:
-        """Write the blocks' bytes to their new sectors, a run of adjacent ones at a time."""
+        """Write blocks to their new sectors: one vectored write per run of adjacent ones.
+
+        `pieces` are (data, blocks) in the order of `sectors`: n blocks of bs bytes, or one
+        block of at most bs (a compressed one; padded when a block follows it in the run).
+        """
         pool = self._pool
+        piece, done = 0, 0  # the next piece, and how many of its blocks are written
         for i, n in _runs(sectors, bs // SECTOR):
+            buffers: builtins.list[bytes | memoryview] = []
+            need = n
+            while need:
+                data, count = pieces[piece]
+                take = min(count - done, need)
+                if done == 0 and take == count:
+                    buffers.append(data)
+                else:
+                    buffers.append(memoryview(data)[done * bs : (done + take) * bs])
+                need -= take
+                done += take
+                if done == count:
+                    piece, done = piece + 1, 0
+                short = bs - len(data)
+                if count == 1 and short and need:
+                    buffers.append(_ZEROS[:short])
             at = sectors[i] * SECTOR
-            if payloads is None:
-                pool.pwrite(view[i * bs : (i + n) * bs], at)
-            elif n == 1:
-                pool.pwrite(payloads[i], at)
-            else:
-                buf = bytearray(n * bs)
-                for k in range(n):
-                    payload = payloads[i + k]
-                    buf[k * bs : k * bs + len(payload)] = payload
-                pool.pwrite(buf, at)
+            for k in range(0, len(buffers), _IOV_MAX):
+                part = buffers[k : k + _IOV_MAX]
+                if len(part) == 1:
+                    pool.pwrite(part[0], at)
+                else:
+                    pool.pwritev(part, at)
+                at += sum(len(b) for b in part)
 
     def flush(self, volume_id: str) -> None:
         """See `VolumeStore.flush` (every write acknowledged so far, of every volume)."""

@@ -22,11 +22,14 @@ from typing import TYPE_CHECKING
 
 from dpu_agent.auth import DEFAULT_TENANT
 from dpu_agent.errors import FailedPrecondition
-from dpu_agent.storage.backend import VolumeStore
+from dpu_agent.storage.backend import VolumeStore, screened_batch
 
 if TYPE_CHECKING:
     import builtins
+    from collections.abc import Sequence
 
+    from dpu_agent.errors import AgentError
+    from dpu_agent.storage.backend import BatchedWrite
     from dpu_agent.storage.types import (
         DataServices,
         QosLimits,
@@ -124,6 +127,11 @@ class GuardedVolumeStore(VolumeStore):
         """See `VolumeStore.write`; refused while exported."""
         self.exports.check_free(volume_id, "write")
         self.inner.write(volume_id, offset, data, fua=fua)
+
+    def write_batch(self, writes: Sequence[BatchedWrite]) -> builtins.list[AgentError | None]:
+        """See `VolumeStore.write_batch`; writes to exported volumes refused."""
+        check = self.exports.check_free
+        return screened_batch(writes, lambda vid: check(vid, "write"), self.inner.write_batch)
 
     def flush(self, volume_id: str) -> None:
         """See `VolumeStore.flush`; refused while exported."""

@@ -17,10 +17,10 @@ class StatsCounter:
         self._errors = 0
         self._counts = [0] * len(LATENCY_BOUNDS_US)
 
-    def _sample(self, seconds: float) -> None:
+    def _sample(self, seconds: float, count: int = 1) -> None:
         micros = max(0, int(seconds * 1_000_000))
         i = min(bisect.bisect_left(LATENCY_BOUNDS_US, micros), len(self._counts) - 1)
-        self._counts[i] = (self._counts[i] + 1) & U64_MASK
+        self._counts[i] = (self._counts[i] + count) & U64_MASK
 
     def read(self, nbytes: int, seconds: float) -> None:
         """Count a successful read of `nbytes` that took `seconds`."""
@@ -29,12 +29,12 @@ class StatsCounter:
             self._read_bytes = (self._read_bytes + nbytes) & U64_MASK
             self._sample(seconds)
 
-    def write(self, nbytes: int, seconds: float) -> None:
-        """Count a successful write of `nbytes` that took `seconds`."""
+    def write(self, nbytes: int, seconds: float, count: int = 1) -> None:
+        """Count `count` successful writes of `nbytes` in all, each of which took `seconds`."""
         with self._lock:
-            self._write_ops = (self._write_ops + 1) & U64_MASK
+            self._write_ops = (self._write_ops + count) & U64_MASK
             self._write_bytes = (self._write_bytes + nbytes) & U64_MASK
-            self._sample(seconds)
+            self._sample(seconds, count)
 
     def error(self) -> None:
         """Count a failed call."""

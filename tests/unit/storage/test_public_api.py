@@ -50,6 +50,7 @@ def test_interface_names_nothing_file_specific():
         "delete",
         "read",
         "write",
+        "write_batch",
         "flush",
         "trim",
         "stats",
