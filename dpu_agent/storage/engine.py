@@ -959,12 +959,18 @@ class CowVolumeStore(VolumeStore):
         """
         node = vol.node
         bs = node.block_size
-        encoded = [self._encode(codec, bs, first, count, view) for first, count, view in items]
-        total = sum(count for _, count, _ in items)
-        record_bytes = sum(
-            count * _WRITE_RECORD_BYTES + 20 * (1 + count // MAX_WRITE_ENTRIES)
-            for _, count, _ in items
-        )
+        encoded: builtins.list[tuple[builtins.list[int], builtins.list[int]]] = []
+        pieces: builtins.list[tuple[bytes | memoryview, int]] = []
+        total = record_bytes = 0
+        for first, count, view in items:
+            payloads, metas, crcs = self._encode(codec, bs, first, count, view)
+            encoded.append((metas, crcs))
+            if payloads is None:
+                pieces.append((view, count))
+            else:
+                pieces.extend([(payload, 1) for payload in payloads])
+            total += count
+            record_bytes += count * _WRITE_RECORD_BYTES + 20 * (1 + count // MAX_WRITE_ENTRIES)
         with self._lock:
             self._check_live(vol)
             self._journal.check()
@@ -974,12 +980,6 @@ class CowVolumeStore(VolumeStore):
             except BaseException:
                 self._space.release(sectors, bs, backed=False)
                 raise
-        pieces: builtins.list[tuple[bytes | memoryview, int]] = []
-        for (_, count, view), (payloads, _, _) in zip(items, encoded, strict=True):
-            if payloads is None:
-                pieces.append((view, count))
-            else:
-                pieces.extend((payload, 1) for payload in payloads)
         try:
             self._put_data(bs, sectors, pieces)
         except BaseException:
@@ -987,6 +987,19 @@ class CowVolumeStore(VolumeStore):
                 self._space.release(sectors, bs, backed=False)
                 self._journal.unreserve(promise)
             raise
+        return self._commit(vol, items, encoded, sectors, promise)
+
+    def _commit(
+        self,
+        vol: _Volume,
+        items: builtins.list[tuple[int, int, memoryview]],
+        encoded: builtins.list[tuple[builtins.list[int], builtins.list[int]]],
+        sectors: builtins.list[int],
+        promise: int,
+    ) -> tuple[int, builtins.list[AgentError | None]]:
+        """`_write_items`' second half: point the blocks at their new sectors and log it."""
+        node = vol.node
+        bs = node.block_size
         errors: builtins.list[AgentError | None] = [None] * len(items)
         with self._lock:
             if vol.deleted:
@@ -996,10 +1009,9 @@ class CowVolumeStore(VolumeStore):
             state, journal = self._state, self._journal
             seq = 0
             at = 0
-            for index, ((first, count, _), (_, metas, crcs)) in enumerate(
-                zip(items, encoded, strict=True)
-            ):
-                mine = sectors[at : at + count]
+            for index, (first, count, _) in enumerate(items):
+                metas, crcs = encoded[index]
+                mine = sectors[at : at + count] if len(items) > 1 else sectors
                 at += count
                 if first + count > node.blocks:  # shrunk meanwhile
                     self._space.release(mine, bs, backed=True)
@@ -1009,6 +1021,10 @@ class CowVolumeStore(VolumeStore):
                     )
                     continue
                 entries = list(zip(mine, metas, crcs, strict=True))
+                if count <= MAX_WRITE_ENTRIES:
+                    frees = state.apply_write(node.node, first, entries)
+                    seq = journal.append(write_record(node.node, first, entries), frees)
+                    continue
                 for part_at in range(0, count, MAX_WRITE_ENTRIES):
                     part = entries[part_at : part_at + MAX_WRITE_ENTRIES]
                     frees = state.apply_write(node.node, first + part_at, part)
@@ -1028,6 +1044,9 @@ class CowVolumeStore(VolumeStore):
         block of at most bs (a compressed one; padded when a block follows it in the run).
         """
         pool = self._pool
+        if len(sectors) == 1:  # one block: the common small write
+            pool.pwrite(pieces[0][0], sectors[0] * SECTOR)
+            return
         piece, done = 0, 0  # the next piece, and how many of its blocks are written
         for i, n in _runs(sectors, bs // SECTOR):
             buffers: builtins.list[bytes | memoryview] = []
@@ -1047,12 +1066,12 @@ class CowVolumeStore(VolumeStore):
                 if count == 1 and short and need:
                     buffers.append(_ZEROS[:short])
             at = sectors[i] * SECTOR
+            if len(buffers) == 1:
+                pool.pwrite(buffers[0], at)
+                continue
             for k in range(0, len(buffers), _IOV_MAX):
                 part = buffers[k : k + _IOV_MAX]
-                if len(part) == 1:
-                    pool.pwrite(part[0], at)
-                else:
-                    pool.pwritev(part, at)
+                pool.pwritev(part, at)
                 at += sum(len(b) for b in part)
 
     def flush(self, volume_id: str) -> None:
