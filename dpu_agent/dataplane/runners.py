@@ -26,6 +26,7 @@ ended. An operation already posted always completes before its buffer is reused.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol, TypeAlias
 
 from dpu_agent.dataplane import compute
@@ -216,15 +217,18 @@ def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> 
             if held == step:
                 yield from drain(last=False)
 
+    yield from put(kernel.start())
     for offset, size in _chunks(src.length, inbuf.size):
         yield Read(inbuf, 0, size, src.addr + offset, src.rkey)
         job.bytes_read += size
+        last = offset + size == src.length
         # The kernel reads inbuf in place: the next READ waits for this Work to end.
-        yield from put((yield Work(_bind(kernel.feed, inbuf.view[:size], step))))
+        yield from put(
+            (yield Work(functools.partial(kernel.feed, inbuf.view[:size], step, last=last)))
+        )
         while kernel.more():
-            yield from put((yield Work(_bind(kernel.feed, b"", step))))
-    while tail := (yield Work(_bind(kernel.finish, step))):
-        yield from put(tail)
+            yield from put((yield Work(functools.partial(kernel.feed, b"", step, last=last))))
+    yield from put(kernel.finish())  # a few bytes and a check: no worker round trip
     if held:
         yield from drain(last=True)
     job.result = written
