@@ -107,11 +107,21 @@ def reference(path: Path, depth: int, *, write: bool) -> tuple[float, float]:
     return OPS / elapsed, _p(latencies, 0.99)
 
 
+def settle() -> None:
+    """Write back every dirty page first (os.sync).
+
+    A sync-bound loop otherwise waits for whatever the benches before it left in the page
+    cache, and the loops it is compared with did not.
+    """
+    os.sync()
+
+
 def fdatasync_reference(path: Path, size: int) -> float:
     """IOPS of pwrite+fdatasync QD1, random 4 KiB overwrites of a written file."""
     fd = _written_file(path, size)
     data = os.urandom(BLOCK)
     offsets = _offsets(3, FUA_OPS, size)
+    settle()
     try:
         start = time.perf_counter()
         for offset in offsets:
@@ -178,9 +188,13 @@ async def qd1_figures(target: str, size: int) -> dict[str, float]:
         big.view[:] = os.urandom(1 << 20)
         for at in range(0, size, 1 << 20):  # overwrites, as the reference does
             await session.write_volume(name, at, big)
+        # Durable before the clock starts, as the reference's file is (else the first FUA
+        # write pays for flushing all of it).
+        (await (await session.submit_volume_flush(name))).raise_for_status()
         buf = await session.alloc(BLOCK, readable=True, writable=True)
         buf.view[:] = os.urandom(BLOCK)
         fua = _offsets(3, FUA_OPS, size)
+        settle()
         start = time.perf_counter()
         for offset in fua:
             await session.write_volume(name, offset, buf, fua=True)
@@ -242,6 +256,7 @@ def store_figures(directory: Path, size: int) -> dict[str, float]:
             store.write("v", at, chunk)
         store.flush("v")
         offsets = _offsets(3, FUA_OPS, size)
+        settle()
         start = time.perf_counter()
         for offset in offsets:
             store.write("v", offset, data, fua=True)
