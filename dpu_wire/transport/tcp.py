@@ -685,6 +685,7 @@ class TcpHostLink(HostLink, FrameHandler):
         self._on_capsule: Callable[[memoryview], None] | None = None
         self._on_failure: Callable[[TransportError], None] | None = None
         self._writing = False
+        self._corked = False  # a flush is due at the loop's next turn (see send)
         self.reads_served = 0  # the agent's READs answered with data (inline sources need none)
         self.error: TransportError | None = None
         self._closed = False
@@ -793,6 +794,18 @@ class TcpHostLink(HostLink, FrameHandler):
             if len(capsule) > MAX_CAPSULE:
                 raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
             stream.queue(pack(FrameType.CAPSULE, length=len(capsule)), capsule)
+        if self._corked:
+            return  # the loop's next turn writes these with the others sent meanwhile
+        self._flush()
+        # Capsules sent later in this turn of the loop (by the other tasks a batch of
+        # COMPLETIONs woke, say) go out together at the start of the next one: one
+        # sendmsg for the burst instead of one each, and the first goes out at once.
+        self._corked = True
+        assert self._loop is not None  # noqa: S101 - started
+        self._loop.call_soon(self._uncork)
+
+    def _uncork(self) -> None:
+        self._corked = False
         self._flush()
 
     def local_view(self, span: Span) -> memoryview | None:

@@ -287,3 +287,39 @@ async def test_many_frames_per_system_call():
         assert [await agent.recv() for _ in capsules] == capsules
         await agent.close()
         await host.close()
+
+
+async def test_sends_within_one_turn_of_the_loop_leave_in_two_system_calls():
+    """The first capsule of a turn goes out at once; those sent after it in the same turn
+    (tasks woken by one batch of COMPLETIONs, say) leave together at the next turn."""
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        link = host.link
+        assert isinstance(link, tcp.TcpHostLink)
+        assert link._stream is not None
+        real = link._stream.sock
+        calls: list[int] = []
+
+        class Counting:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            def sendmsg(self, buffers: list[memoryview]) -> int:
+                calls.append(len(buffers))
+                return real.sendmsg(buffers)
+
+        link._stream.sock = Counting()  # type: ignore[assignment]
+        host.send(b"first")
+        assert calls == [2]  # header and payload, before the loop turned
+        for i in range(31):
+            host.send(b"next%d" % i)
+        assert calls == [2]
+        expected = [b"first"] + [b"next%d" % i for i in range(31)]
+        assert [await agent.recv() for _ in expected] == expected
+        assert calls == [2, 62]
+        await asyncio.sleep(0)
+        host.send(b"later")  # a new turn: at once again
+        assert calls == [2, 62, 2]
+        assert await agent.recv() == b"later"
+        await agent.close()
+        await host.close()
