@@ -71,6 +71,7 @@ OP_TIMEOUT: Final = 30.0  # a READ or WRITE the host leaves unanswered this long
 MAX_CANDIDATES: Final = 8  # connections a host holds while it waits for the agent's HELLO
 _RX_BUFFER: Final = 1 << 16
 _IOV_MAX: Final = 512  # buffers per sendmsg (Linux IOV_MAX is 1024)
+EAGER_FLUSH: Final = 4  # the agent writes its capsules out every 4, not only at a pass's end
 _SEND_CHUNK: Final = 1 << 22  # bytes per sendmsg: keeps one session from hogging the loop
 
 
@@ -470,6 +471,7 @@ class TcpAgentLink(AgentLink, FrameHandler):
         self._capsule = bytearray(max(MAX_CAPSULE, SUBMIT_SIZE + inline_max))
         self._sink: LinkSink | None = None
         self._done: list[int] = []  # tokens finished by sends, reported at the next poll
+        self._capsules = 0  # CAPSULE frames queued since the last flush
         self.error = None
 
     @property
@@ -543,9 +545,13 @@ class TcpAgentLink(AgentLink, FrameHandler):
             raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
         sent = None if token is None else (lambda: self._done.append(token))
         self._stream.queue(pack(FrameType.CAPSULE, length=len(capsule)), capsule, sent)
+        self._capsules += 1
+        if self._capsules >= EAGER_FLUSH:
+            self.flush()
 
     def flush(self) -> None:
         """Write the queued frames the socket takes now."""
+        self._capsules = 0
         if self.error is not None:
             return
         try:

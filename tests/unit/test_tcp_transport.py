@@ -323,3 +323,36 @@ async def test_sends_within_one_turn_of_the_loop_leave_in_two_system_calls():
         assert await agent.recv() == b"later"
         await agent.close()
         await host.close()
+
+
+async def test_the_agent_writes_its_capsules_out_every_four_within_a_pass():
+    """Ten capsules posted in one pass of the reactor leave in three writes (4, 4, and the
+    last 2 at the end of the pass): the host starts on the first ones meanwhile."""
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        link = agent.link
+        assert isinstance(link, tcp.TcpAgentLink)
+        real = link._stream.sock
+        calls: list[int] = []
+
+        class Counting:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            def sendmsg(self, buffers: list[memoryview]) -> int:
+                calls.append(len(buffers))
+                return real.sendmsg(buffers)
+
+        capsules = [b"c%d" % i for i in range(10)]
+
+        def post_all() -> None:
+            link._stream.sock = Counting()  # type: ignore[assignment]
+            for capsule in capsules:
+                link.post_send(capsule)
+            r.wake(link)  # the pass ends with the owner's end_pass: its flush
+
+        await r.call_async(post_all)
+        assert [await host.recv() for _ in capsules] == capsules
+        assert calls == [8, 8, 4]  # a header and a payload per capsule
+        await agent.close()
+        await host.close()
