@@ -289,6 +289,21 @@ async def test_many_frames_per_system_call():
         await host.close()
 
 
+class _CountingSends:
+    """A socket that records how many buffers each sendmsg call carried."""
+
+    def __init__(self, sock: socket.socket, calls: list[int]) -> None:
+        self._sock = sock
+        self._calls = calls
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        self._calls.append(len(buffers))
+        return self._sock.sendmsg(buffers)
+
+
 async def test_sends_within_one_turn_of_the_loop_leave_in_two_system_calls():
     """The first capsule of a turn goes out at once; those sent after it in the same turn
     (tasks woken by one batch of COMPLETIONs, say) leave together at the next turn."""
@@ -297,18 +312,8 @@ async def test_sends_within_one_turn_of_the_loop_leave_in_two_system_calls():
         link = host.link
         assert isinstance(link, tcp.TcpHostLink)
         assert link._stream is not None
-        real = link._stream.sock
         calls: list[int] = []
-
-        class Counting:
-            def __getattr__(self, name: str) -> object:
-                return getattr(real, name)
-
-            def sendmsg(self, buffers: list[memoryview]) -> int:
-                calls.append(len(buffers))
-                return real.sendmsg(buffers)
-
-        link._stream.sock = Counting()  # type: ignore[assignment]
+        link._stream.sock = _CountingSends(link._stream.sock, calls)  # type: ignore[assignment]
         host.send(b"first")
         assert calls == [2]  # header and payload, before the loop turned
         for i in range(31):
@@ -332,21 +337,11 @@ async def test_the_agent_writes_its_capsules_out_every_four_within_a_pass():
         host, agent = await tcp_pair(r)
         link = agent.link
         assert isinstance(link, tcp.TcpAgentLink)
-        real = link._stream.sock
         calls: list[int] = []
-
-        class Counting:
-            def __getattr__(self, name: str) -> object:
-                return getattr(real, name)
-
-            def sendmsg(self, buffers: list[memoryview]) -> int:
-                calls.append(len(buffers))
-                return real.sendmsg(buffers)
-
         capsules = [b"c%d" % i for i in range(10)]
 
         def post_all() -> None:
-            link._stream.sock = Counting()  # type: ignore[assignment]
+            link._stream.sock = _CountingSends(link._stream.sock, calls)  # type: ignore[assignment]
             for capsule in capsules:
                 link.post_send(capsule)
             r.wake(link)  # the pass ends with the owner's end_pass: its flush
