@@ -8,7 +8,10 @@ whether the same input has more to give (a decompression bomb is drained a chunk
 time and stopped at the destination's size), and the decoders' windows are bounded
 (`ZSTD_WINDOW_LOG_MAX`). An encoder's output for one chunk is bounded by the chunk (plus a
 frame's few bytes of overhead), so encoders return it whole, without a copy to re-slice
-it; the input is read in place (a view of the staging buffer, not a copy). Every failure
+it; the input is read in place (a view of the staging buffer, not a copy). A job's last
+chunk is fed with `last=True`, so an encoder returns what it held back in the same call:
+one worker round trip per chunk. `start` (a nonce or frame header) and `finish` (a tag,
+a check that the frame ended) are a few bytes each and run on the reactor. Every failure
 is a domain error.
 
 Formats: COMPRESS writes one LZ4 frame or one Zstandard frame (level 3); DECOMPRESS
