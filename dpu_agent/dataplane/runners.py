@@ -245,15 +245,13 @@ def volume_write(job: JobRecord, buffers: list[Buffer], store: Storage | None) -
         job.bytes_read += size
         view = buffer.view[:size]
         last_fua = job.fua and offset + size == src.length
-        if size > INLINE_BYTES:
+        if last_fua or size > INLINE_BYTES:
             yield Io(
                 _bind_write(storage, job.volume_id, job.offset + offset, view, fua=last_fua),
                 blocking=True,
             )
-            continue
-        yield BatchWrite(job.volume_id, job.offset + offset, view)
-        if last_fua:  # durable: wait for the log to commit it (FUA jobs of a pass share one)
-            yield Io(_bind(storage.flush, job.volume_id), blocking=True)
+        else:
+            yield BatchWrite(job.volume_id, job.offset + offset, view)
 
 
 def volume_read(job: JobRecord, buffers: list[Buffer], store: Storage | None) -> Runner:
