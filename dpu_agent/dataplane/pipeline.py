@@ -452,21 +452,23 @@ class Pipeline(LinkSink):
     def _write_batch(self) -> None:
         """Run the gathered BatchWrites in one store call; resume each job with its result."""
         batch, self._writes = self._writes, []
-        live = [(run, op) for run, op in batch if not run.job.done]
+        live = [i for i, (run, _) in enumerate(batch) if not run.job.done]
         storage = self._storage
         assert storage is not None  # noqa: S101 - a volume runner checked it before its BatchWrite
+        errors: list[BaseException | None] = [None] * len(batch)
         results: list[BaseException | None]
         try:
-            results = list(storage.write_batch([op for _, op in live]))
+            results = list(storage.write_batch([batch[i][1] for i in live]))
         except Exception as exc:  # noqa: BLE001 - each job gets it (an AgentError, or INTERNAL)
             results = [exc] * len(live)
-        errors = iter(results)
-        for run, _ in batch:
+        for i, result in zip(live, results, strict=True):
+            errors[i] = result
+        for (run, _), error in zip(batch, errors, strict=True):
             run.pending -= 1
-            if run.job.done:
+            if run.job.done:  # ended meanwhile (cancelled; or the link failed, ending all)
                 self._release_if_idle(run)
             else:
-                self._advance(run, None, next(errors))
+                self._advance(run, None, error)
 
     def _resumed(self, run: _Run, future: concurrent.futures.Future[Any]) -> None:
         run.pending -= 1
