@@ -1021,10 +1021,6 @@ class CowVolumeStore(VolumeStore):
                     )
                     continue
                 entries = list(zip(mine, metas, crcs, strict=True))
-                if count <= MAX_WRITE_ENTRIES:
-                    frees = state.apply_write(node.node, first, entries)
-                    seq = journal.append(write_record(node.node, first, entries), frees)
-                    continue
                 for part_at in range(0, count, MAX_WRITE_ENTRIES):
                     part = entries[part_at : part_at + MAX_WRITE_ENTRIES]
                     frees = state.apply_write(node.node, first + part_at, part)
