@@ -317,12 +317,25 @@ class Journal(Generic[ImageT]):
         self.discard(discards)
 
     def discard(self, ranges: list[Range]) -> None:
-        """Give freed ranges back to the file system (failures only logged)."""
+        """Give freed ranges back to the file system, then to the space map for reuse.
+
+        `ranges` come from `SpaceMap.reclaim`. Call without the lock; failures are only
+        logged (the chunks are reused all the same).
+        """
+        if not ranges:
+            return
+        done, failed = [], []
         for offset, length in _merged(ranges):
             try:
                 self._pool.discard(offset, length)
             except OSError as exc:
                 log.warning("could not discard freed pool space", extra={"error": exc.strerror})
+                failed.append((offset, length))
+            else:
+                done.append((offset, length))
+        with self._lock:
+            self._space.discarded(done)
+            self._space.discarded(failed, backed=True)
 
     # ------------------------------------------------------------ the thread
 

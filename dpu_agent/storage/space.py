@@ -11,7 +11,10 @@ A block that a change frees is not free at once. It goes to limbo with an epoch,
 and comes out only when the change is durable (the journal calls `retire` after
 its sync) and no read that might still use it is running: a read registers the
 epoch at which it looked its blocks up (`reader_enter`), and a block retired at
-epoch r is reused only once every running read entered at r or later.
+epoch r is reused only once every running read entered at r or later. A chunk that
+comes out of limbo to be discarded (given back to the file system) stays taken until
+the caller has discarded it and says so (`discarded`): the discard runs without the
+engine's lock, and a write given the chunk meanwhile would see its data zeroed.
 
 Not thread-safe: the engine calls it under its lock.
 """
@@ -41,6 +44,7 @@ class SpaceMap:
         self._holes: list[int] = []
         self._small_free: set[int] = set()
         self._small_used: dict[int, int] = {}  # chunk of small blocks -> sectors in use
+        self._discarding: set[int] = set()  # out of limbo, not yet discarded (still taken)
         self.used_chunks = 0  # whole chunks in use, small-block chunks included
         self._epoch = 0
         self._limbo: collections.deque[tuple[int, list[Free]]] = collections.deque()
@@ -104,8 +108,14 @@ class SpaceMap:
         for sector in sectors:
             self._free(sector, block_size, backed=backed)
 
-    def _free(self, sector: int, block_size: int, *, backed: bool) -> Range | None:
-        """Free one block; returns the chunk's range if it should be discarded."""
+    def _free(
+        self, sector: int, block_size: int, *, backed: bool = True, discard: bool = False
+    ) -> Range | None:
+        """Free one block; returns the range of a chunk to discard, if any.
+
+        With `discard`, a chunk the block empties stays taken: its range is returned, to
+        be discarded and then given to `discarded`.
+        """
         chunk = sector // SECTORS_PER_CHUNK
         if block_size != CHUNK:
             self._small_free.add(sector)
@@ -115,9 +125,25 @@ class SpaceMap:
             del self._small_used[chunk]
             base = chunk * SECTORS_PER_CHUNK
             self._small_free.difference_update(range(base, base + SECTORS_PER_CHUNK))
+        if discard:
+            self._discarding.add(chunk)
+            return (chunk * CHUNK, CHUNK)
+        self._put_chunk(chunk, backed=backed)
+        return None
+
+    def _put_chunk(self, chunk: int, *, backed: bool) -> None:
         self.used_chunks -= 1
         heapq.heappush(self._backed if backed else self._holes, chunk)
-        return None if backed else (chunk * CHUNK, CHUNK)
+
+    def discarded(self, ranges: Iterable[Range], *, backed: bool = False) -> None:
+        """The chunks of ranges `reclaim` returned are discarded: free for the next write.
+
+        `backed`: the discard failed, so they still hold file space.
+        """
+        for offset, length in ranges:
+            for chunk in range(offset // CHUNK, (offset + length) // CHUNK):
+                self._discarding.remove(chunk)
+                self._put_chunk(chunk, backed=backed)
 
     # ------------------------------------------------------------ limbo
 
@@ -144,14 +170,17 @@ class SpaceMap:
         return bool(self._limbo)
 
     def reclaim(self) -> list[Range]:
-        """Free what no running read can use; returns the ranges to discard in the file."""
+        """Free what no running read can use; returns the ranges to discard in the file.
+
+        Their chunks stay taken until `discarded`.
+        """
         oldest = min(self._readers) if self._readers else None
         discards = []
         limbo = self._limbo
         while limbo and (oldest is None or limbo[0][0] <= oldest):
             _, frees = limbo.popleft()
             for sector, block_size, discard in frees:
-                found = self._free(sector, block_size, backed=not discard)
+                found = self._free(sector, block_size, discard=discard)
                 if found is not None:
                     discards.append(found)
         return discards
