@@ -333,7 +333,7 @@ class CowVolumeStore(VolumeStore):
         self, state: State, start: LogPosition
     ) -> tuple[LogPosition, builtins.list[tuple[int, int]], int]:
         """Apply the log after the checkpoint; returns where it ends, its blocks, its salt."""
-        sector, seq, salt = start.head, start.seq, start.salt
+        sector, seq, salt = start.head, start.seq, start.prev_salt
         live = []
         while True:
             parsed = parse_log_block(self._pool.pread(CHUNK, sector * SECTOR))

@@ -290,7 +290,11 @@ class CheckpointHeader:
     number: int
     body_len: int
     body_crc: int
-    position: LogPosition  # of the first log block after the checkpoint
+    # of the first log block after the checkpoint: its sector, its sequence number, and
+    # the salt it names as its predecessor's (`prev_salt`: the era's salt, or the salt of
+    # the era before for a checkpoint taken before an era's first block). A position
+    # read back has salt == prev_salt: only the predecessor's salt is stored.
+    position: LogPosition
 
     def pack(self) -> bytes:
         """The 64-byte header."""
@@ -303,7 +307,7 @@ class CheckpointHeader:
             self.body_len,
             pos.head,
             pos.seq,
-            pos.salt,
+            pos.prev_salt,
             self.body_crc,
         )
         return head + struct.pack("<I", crc32c.crc32c(head))
