@@ -76,6 +76,7 @@ class Image(Protocol):
 
 
 ImageT = TypeVar("ImageT", bound=Image)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -149,13 +150,7 @@ class Journal(Generic[ImageT]):
             self._thread.join()
             self._thread = None
         if self._failed is None:
-            self.wait(self.appended)
-            with self._lock:
-                images, self._images = self._images, []
-                image: ImageT | None = None
-                if not images and self._since_checkpoint and not self._checkpointing:
-                    self._checkpointing = True
-                    image = self._capture(self._pos)
+            images, image = self._when_settled(self._last_images)
             try:  # a last checkpoint only spares the next open some replay
                 for queued in [*images, *([image] if image is not None else [])]:
                     self._write_checkpoint(queued)
@@ -379,16 +374,42 @@ class Journal(Generic[ImageT]):
 
     def checkpoint_now(self) -> None:
         """Commit everything and write a checkpoint now (after any being written)."""
-        self.wait(self.appended)
-        with self._cond:
-            while self._checkpointing:
-                self.check()
-                if self._thread is None:
-                    raise FailedPrecondition("a checkpoint is pending and nothing writes it")
-                self._cond.wait(0.1)
+        while (image := self._when_settled(self._take_image)) is None:
+            with self._cond:
+                self._cond.wait(0.1)  # the thread is writing one: it notifies when done
+        self._write_checkpoint(image)
+
+    def _when_settled(self, fn: Callable[[], T]) -> T:
+        """`fn()` under the lock, once every record appended is durable and no commit runs.
+
+        A checkpoint is the state as of the end of the log: captured while a record is
+        pending or a batch is being synced, it would hold changes whose data may not be
+        durable when the checkpoint is, and the log after it would repeat them.
+        """
+        while True:
+            self.wait(self.appended)
+            with self._cond:
+                if not self._blocks and not self._committing:
+                    return fn()
+
+    def _take_image(self) -> ImageT | None:
+        """The state now, to be written as a checkpoint; None while one is being written."""
+        if self._checkpointing:
+            self.check()
+            if self._thread is None:
+                raise FailedPrecondition("a checkpoint is pending and nothing writes it")
+            return None
+        self._checkpointing = True
+        return self._capture(self._pos)
+
+    def _last_images(self) -> tuple[list[ImageT], ImageT | None]:
+        """At close: the checkpoints captured and not written, or else one of the state now."""
+        images, self._images = self._images, []
+        image: ImageT | None = None
+        if not images and self._since_checkpoint and not self._checkpointing:
             self._checkpointing = True
             image = self._capture(self._pos)
-        self._write_checkpoint(image)
+        return images, image
 
 
 def _merged(ranges: list[Range]) -> list[Range]:

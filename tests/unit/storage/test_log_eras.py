@@ -6,6 +6,7 @@ goes on after it. One taken at the very start of an era, before that era's first
 block, must still lead recovery to that block: before 2026-11-27 it recorded the new
 era's salt, recovery found the first block naming the old one, stopped there, and
 every change logged after the checkpoint was lost, acknowledged FUA writes included.
+And a checkpoint is the state as of the end of the durable log, never more.
 """
 
 from __future__ import annotations
@@ -79,5 +80,32 @@ def test_eras_that_write_nothing_keep_the_chain():
     try:
         assert after.read("v", 0, BS) == b"a" * BS
         assert after.read("v", 2 * BS, BS) == b"c" * BS
+    finally:
+        after.close()
+
+
+def test_a_checkpoint_never_holds_a_change_whose_data_is_not_durable():
+    """A write appended while `checkpoint()` runs (after it committed, before it captured
+    the state) is committed before the capture: the checkpoint, durable at once, must not
+    point at data that a power cut may still lose."""
+    media = FaultyMedia(keep=0.0, tear=0.0)
+    store = _open(media)
+    store.create("v", 16 * BS, BS, DataServices(crc32c=True))
+    store.write("v", BS, b"o" * BS, fua=True)
+    journal = store._journal
+    wait = journal.wait
+    armed = [True]
+
+    def wait_then_a_write_arrives(seq: int) -> None:
+        wait(seq)
+        if armed[0]:
+            armed[0] = False
+            store.write("v", BS, b"n" * BS)  # not durable: its data is in the cache only
+
+    journal.wait = wait_then_a_write_arrives  # type: ignore[method-assign]
+    store.checkpoint()
+    after = _open(_cut(media, store))
+    try:
+        assert after.read("v", BS, BS) in {b"o" * BS, b"n" * BS}
     finally:
         after.close()
