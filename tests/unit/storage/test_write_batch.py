@@ -100,6 +100,22 @@ def test_exported_and_foreign_volumes_are_refused_within_a_batch(store):
     assert store.read("theirs", 0, 4096) == bytes(4096)
 
 
+def test_a_batch_to_one_refused_volume_is_refused_whole(store):
+    """The one-volume case (a QD1 write, say) is checked once, and as strictly."""
+    exports = VolumeExports()
+    guarded = GuardedVolumeStore(store, exports)
+    guarded.create("exported", MiB, 4096, DataServices(), tenant="t1")
+    guarded.create("theirs", MiB, 4096, DataServices(), tenant="t2")
+    exports.claim("exported", "functions/disk")
+    tenant = TenantVolumes(guarded, "t1")
+    for volume, refused in (("exported", FailedPrecondition), ("theirs", NotFound)):
+        writes = [(volume, i * 4096, memoryview(b"x" * 4096)) for i in range(3)]
+        results = tenant.write_batch(writes)
+        assert [type(r) for r in results] == [refused] * 3
+        assert store.read(volume, 0, 3 * 4096) == bytes(3 * 4096)
+    assert tenant.write_batch([]) == []
+
+
 def test_a_batch_survives_a_reopen(tmp_path):
     """What a batch wrote and flushed is there after the file store opens again (its
     records were logged like single writes')."""
