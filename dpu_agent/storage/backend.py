@@ -67,6 +67,15 @@ def screened_batch(
         except AgentError as exc:
             return [exc] * len(writes)
         return inner(writes)
+    return _screened_mixed(writes, check, inner)
+
+
+def _screened_mixed(
+    writes: Sequence[BatchedWrite],
+    check: Callable[[str], object],
+    inner: Callable[[Sequence[BatchedWrite]], builtins.list[AgentError | None]],
+) -> builtins.list[AgentError | None]:
+    """`screened_batch` of writes to several volumes: one check per volume."""
     verdicts: dict[str, AgentError | None] = {}
     results: builtins.list[AgentError | None] = [None] * len(writes)
     passing: builtins.list[BatchedWrite] = []

@@ -19,9 +19,9 @@ reused only after the record is durable and no read still uses them. A FUA write
 a flush waits for its record's commit: one sync of the pool covers the data and the
 log together. After a crash at any instant a block reads as its last content
 acknowledged durable, or as a later write's whole content, never a mix: the old
-blocks are intact until the new record is durable, and recovery drops records whose
-data does not match their CRC (their sync never returned, so they were never
-acknowledged).
+blocks are intact until the new record is durable, and recovery ends the replay of
+the last commit at the first write whose data does not match its CRC (that sync never
+returned, so nothing from there on was acknowledged durable; see `_apply_commit`).
 
 Durability of the other calls: create, resize, delete, trim, snapshot, clone and QoS
 changes are durable when they return (they wait for their record's commit, shared
@@ -72,6 +72,7 @@ from dpu_agent.storage.layout import (
     SECTOR,
     SECTORS_PER_CHUNK,
     LogPosition,
+    batch_of,
     parse_log_block,
     pool_header,
     pool_header_valid,
@@ -83,6 +84,7 @@ from dpu_agent.storage.records import (
     create_record,
     delete_snapshot_record,
     delete_volume_record,
+    landed,
     qos_record,
     replay,
     resize_record,
@@ -270,6 +272,10 @@ class CowVolumeStore(VolumeStore):
         end, live, salt = self._replay(state, loaded.position)
         position = LogPosition(end.head, end.seq, _new_salt(), salt)
         self._setup(state, self._rebuild_space(state, live, end.head), position, live)
+        if live:
+            # What recovery made of the log is final: a later recovery must not judge its
+            # records again, after the space of those it dropped has been reused.
+            self._journal.checkpoint_now()
         log.info(
             "volume store open",
             extra={
@@ -335,20 +341,51 @@ class CowVolumeStore(VolumeStore):
         """Apply the log after the checkpoint; returns where it ends, its blocks, its salt."""
         sector, seq, salt = start.head, start.seq, start.prev_salt
         live = []
+        commit: builtins.list[memoryview] = []  # the payloads of the commit being read
         while True:
             parsed = parse_log_block(self._pool.pread(CHUNK, sector * SECTOR))
-            if parsed is None:
-                break
-            block_salt, prev_salt, block_seq, nxt, payload = parsed
             # the next block of this era, or the first block of the next era; anything
             # else was written in an era that recovery has already cut off
-            if block_seq != seq or prev_salt != salt:
+            if parsed is None or parsed[2] != seq or parsed[1] != salt:
+                self._apply_commit(state, commit, last=True)
                 break
-            for kind, body in log_records(payload):
-                replay(state, kind, body, self._verify)
+            block_salt, _, _, nxt, payload = parsed
+            if block_salt != salt:  # a new era: the commit before was the last of its era
+                self._apply_commit(state, commit, last=True)
+                commit = []
+            elif batch_of(payload) in {None, seq}:  # a new commit (or a block from before
+                self._apply_commit(state, commit, last=False)  # BATCH records: its own)
+                commit = []
+            commit.append(payload)
             live.append((seq, sector))
             salt, sector, seq = block_salt, nxt, seq + 1
         return LogPosition(sector, seq, salt, salt), live, salt
+
+    def _apply_commit(
+        self, state: State, payloads: builtins.list[memoryview], *, last: bool
+    ) -> None:
+        """Replay the records of one commit (one sync).
+
+        Commits are made one after another: a block of a later commit on disk means this
+        one's sync returned, and its data is on disk. A write record whose data does not
+        match its CRC then lost a block to a later change that freed and reused it; the
+        block's later record follows, so that entry alone is skipped. In the last
+        commit of an era (`last`) the sync may never have returned: there a write whose
+        data did not land ends the replay of the commit. Nothing from it on was
+        acknowledged durable, and applying what follows it (a snapshot, say) would
+        record a state in which that write never happened though it was acknowledged
+        before them.
+        """
+        verify = self._verify
+        for payload in payloads:
+            for kind, body in log_records(payload):
+                if last and not landed(state, kind, body, verify):
+                    log.warning(
+                        "recovery dropped the end of the last commit before the crash: "
+                        "the data of a write in it never reached the disk"
+                    )
+                    return
+                replay(state, kind, body, verify)
 
     def _verify(self, node: Node, _block: int, entry: Entry) -> bool:
         """True if the data an entry points to matches its CRC (recovery)."""
@@ -541,6 +578,8 @@ class CowVolumeStore(VolumeStore):
             seq = self._journal.append(resize_record(node.node, size, now), frees, promise)
             info = node.volume_info()
         self._journal.wait(seq)
+        if frees:
+            self._journal.release_frees(seq)  # the space is back when a shrink returns
         log.info("resized volume", extra={"volume_id": volume_id, "size_bytes": size})
         return info
 
@@ -572,6 +611,7 @@ class CowVolumeStore(VolumeStore):
             vol.codec = vol.key = None
             del self._volumes[volume_id]
         self._journal.wait(seq)
+        self._journal.release_frees(seq)
         log.info("deleted volume", extra={"volume_id": volume_id})
 
     def set_qos(self, volume_id: str, qos: QosLimits) -> VolumeInfo:
@@ -671,6 +711,7 @@ class CowVolumeStore(VolumeStore):
             frees = self._state.apply_delete_snapshot(snap.node)
             seq = self._journal.append(delete_snapshot_record(snap.node), frees, promise)
         self._journal.wait(seq)
+        self._journal.release_frees(seq)
         log.info("deleted snapshot", extra={"snapshot_id": snapshot_id})
 
     def clone(
@@ -1098,6 +1139,7 @@ class CowVolumeStore(VolumeStore):
                 seq = self._journal.append(trim_record(node.node, first, count), frees, promise)
             with os_errors():
                 self._journal.wait(seq)
+                self._journal.release_frees(seq)
         except BaseException:
             vol.stats.error()
             raise

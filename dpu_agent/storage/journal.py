@@ -12,10 +12,12 @@ writer that does not ask for durability never waits for a sync.
 
 The data a record points to is written (to the page cache) before the record is
 appended, and the leader syncs the pool after writing the log blocks: one fdatasync
-makes both durable together. After a crash a log block may have reached the disk
-without the data it points to; recovery checks each block's CRC32C and drops
-records whose data does not match (they were never acknowledged: their sync did not
-return).
+makes both durable together. Commits run one after another, and every log block
+starts with a BATCH record naming the first block of its commit, so recovery knows
+which blocks were synced together. After a crash the last commit's log blocks may
+have reached the disk without the data they point to; recovery checks each block's
+CRC32C and ends that commit's replay at the first write whose data does not match
+(nothing from there on was acknowledged durable: the sync never returned).
 
 The log is a chain of 4 KiB pool chunks: each block names the chunk where the next
 one will go, reserved before the block is written. Log chunks are taken from a
@@ -45,7 +47,14 @@ import threading
 from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
 
 from dpu_agent.errors import FailedPrecondition, ResourceExhausted, Unavailable
-from dpu_agent.storage.layout import CHUNK, LOG_PAYLOAD, SECTOR, LogPosition, pack_log_block
+from dpu_agent.storage.layout import (
+    CHUNK,
+    RECORD_ROOM,
+    SECTOR,
+    LogPosition,
+    batch_record,
+    pack_log_block,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -88,7 +97,7 @@ class _Batch:
 
 def blocks_for(nbytes: int) -> int:
     """Log blocks to reserve for records of `nbytes` in total (records never span blocks)."""
-    return 1 + nbytes // (LOG_PAYLOAD // 2)
+    return 1 + nbytes // (RECORD_ROOM // 2)
 
 
 class Journal(Generic[ImageT]):
@@ -117,6 +126,11 @@ class Journal(Generic[ImageT]):
         self._blocks: list[list[bytes]] = []  # pending log blocks, as lists of records
         self._fill = 0  # payload bytes in the last pending block
         self._frees: list[Free] = []
+        # The last commit's frees: reused only once a later commit is durable, so that
+        # recovery may read a write in the last commit on disk whose data does not match
+        # as lost (that sync never returned), never as space reused after it returned.
+        self._held: list[Free] = []
+        self._held_last = 0  # the last record of that commit
         self.appended = 0  # records appended so far
         self.durable = 0  # records durable so far
         self._committing = False
@@ -221,7 +235,7 @@ class Journal(Generic[ImageT]):
 
     def append(self, record: bytes, frees: list[Free], promise: int = 0) -> int:
         """Add a record (changes already applied); returns its number for `wait`."""
-        if not self._blocks or self._fill + len(record) > LOG_PAYLOAD:
+        if not self._blocks or self._fill + len(record) > RECORD_ROOM:
             self._blocks.append([])
             self._fill = 0
         self._blocks[-1].append(record)
@@ -262,6 +276,7 @@ class Journal(Generic[ImageT]):
 
     def _take_batch(self) -> _Batch:
         pos = self._pos
+        mark = batch_record(pos.seq)  # each block names the commit it is written in
         blocks = []
         for records in self._blocks:
             if self._reserve:
@@ -272,7 +287,7 @@ class Journal(Generic[ImageT]):
             blocks.append(
                 (
                     pos.head,
-                    pack_log_block(pos.salt, pos.prev_salt, pos.seq, nxt, b"".join(records)),
+                    pack_log_block(pos.salt, pos.prev_salt, pos.seq, nxt, mark + b"".join(records)),
                     pos.seq,
                 )
             )
@@ -306,7 +321,8 @@ class Journal(Generic[ImageT]):
             self.commits += 1
             self._live.extend((seq, sector) for sector, _, seq in batch.blocks)
             self._since_checkpoint += len(batch.blocks) * CHUNK
-            self._space.retire(batch.frees)
+            self._space.retire(self._held)  # a later commit (this one) is durable now
+            self._held, self._held_last = batch.frees, batch.last
             discards = self._space.reclaim()
             self._cond.notify_all()
         self.discard(discards)
@@ -346,10 +362,35 @@ class Journal(Generic[ImageT]):
                     images, self._images = self._images, []
                 if pending:
                     self.wait(pending)
+                else:  # idle: what the last commit freed becomes reusable
+                    self.release_frees(self._held_last)
                 for image in images:
                     self._write_checkpoint(image)
             except Exception:
                 log.exception("the volume store's background commit failed")
+
+    def release_frees(self, seq: int) -> None:
+        """Return once the space the commit of record `seq` freed is reusable.
+
+        Call after `wait(seq)`. A later commit must be durable (see `_held`); with nothing
+        else to commit, that is an empty log block.
+        """
+        while True:
+            with self._cond:
+                if not self._held or self._held_last < seq:
+                    return
+                self.check()
+                if self._committing:
+                    self._cond.wait()
+                    continue
+                if not self._blocks:
+                    promise = self.reserve(0, emergency=True)
+                    self._blocks.append([])  # a block with only its BATCH record
+                    self._fill = 0
+                    self._promised -= promise
+                batch = self._take_batch()
+                self._committing = True
+            self._run(batch)
 
     def _write_checkpoint(self, image: ImageT) -> None:
         try:

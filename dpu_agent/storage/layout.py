@@ -102,6 +102,7 @@ TRIM: Final = 5
 SNAPSHOT: Final = 6
 DELETE_SNAPSHOT: Final = 7
 QOS: Final = 8
+BATCH: Final = 9
 
 # type -> (name, fixed part of the body; strings follow where the name says so)
 RECORDS: Final = {
@@ -117,9 +118,14 @@ RECORDS: Final = {
     SNAPSHOT: ("snapshot", struct.Struct("<IIQ")),
     DELETE_SNAPSHOT: ("delete snapshot", struct.Struct("<I")),  # node
     QOS: ("qos", struct.Struct("<IQ4Q")),  # node, update_ns, 4 QoS limits
+    # the first record of every log block since 2026-11-27: the sequence number of the
+    # first block of the commit (one sync) the block was written in
+    BATCH: ("batch", struct.Struct("<Q")),
 }
 WRITE_ENTRY: Final = struct.Struct("<qII")  # phys sector, meta, crc
-MAX_WRITE_ENTRIES: Final = (LOG_PAYLOAD - REC_HEADER.size - RECORDS[WRITE][1].size) // 16
+BATCH_RECORD_BYTES: Final = REC_HEADER.size + RECORDS[BATCH][1].size
+RECORD_ROOM: Final = LOG_PAYLOAD - BATCH_RECORD_BYTES  # for the other records of a block
+MAX_WRITE_ENTRIES: Final = (RECORD_ROOM - REC_HEADER.size - RECORDS[WRITE][1].size) // 16
 MAX_STRING: Final = 1024
 _U16: Final = struct.Struct("<H")
 
@@ -162,6 +168,24 @@ def write_record(node: int, first: int, entries: list[tuple[int, int, int]]) -> 
     pack = WRITE_ENTRY.pack
     body = head + b"".join([pack(*e) for e in entries])
     return REC_HEADER.pack(WRITE, len(body)) + body
+
+
+def batch_record(first_seq: int) -> bytes:
+    """The BATCH record that starts each block of the commit whose first block is `first_seq`."""
+    return record(BATCH, first_seq)
+
+
+def batch_of(payload: memoryview) -> int | None:
+    """The first block of the commit a log block was written in (its BATCH record).
+
+    None for a block written before BATCH records existed.
+    """
+    if len(payload) < BATCH_RECORD_BYTES:
+        return None
+    kind, length = REC_HEADER.unpack_from(payload, 0)
+    if kind != BATCH or length != RECORDS[BATCH][1].size:
+        return None
+    return int(RECORDS[BATCH][1].unpack_from(payload, REC_HEADER.size)[0])
 
 
 def records(payload: memoryview | bytes) -> Iterator[tuple[int, memoryview]]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dpu_agent.storage.blockmap import Entry
 from dpu_agent.storage.errors import DataCorruption
 from dpu_agent.storage.layout import (
+    BATCH,
     CREATE,
     DELETE_SNAPSHOT,
     DELETE_VOLUME,
@@ -89,16 +90,34 @@ def qos_record(number: int, limits: QosLimits, update_ns: int) -> bytes:
     return record(QOS, number, update_ns, *qos_fields(limits))
 
 
-def _write(
-    state: State, fields: tuple[int, ...], body: memoryview, verify: Verify | None
-) -> list[Free]:
-    number, first, count = fields
+def _entries(fields: tuple[int, ...], body: memoryview) -> list[Entry | None]:
+    count = fields[2]
     at = RECORDS[WRITE][1].size
     if at + count * WRITE_ENTRY.size > len(body):
         raise DataCorruption("a write record is cut short")
-    entries: list[Entry | None] = [
-        WRITE_ENTRY.unpack_from(body, at + i * WRITE_ENTRY.size) for i in range(count)
-    ]
+    return [WRITE_ENTRY.unpack_from(body, at + i * WRITE_ENTRY.size) for i in range(count)]
+
+
+def landed(state: State, kind: int, body: memoryview, verify: Verify) -> bool:
+    """False if the record is a write with a block whose data does not match its CRC."""
+    if kind != WRITE:
+        return True
+    try:
+        fields = RECORDS[WRITE][1].unpack_from(body, 0)
+    except struct.error as exc:
+        raise DataCorruption(f"a metadata record cannot be read: {exc}") from None
+    number, first, _ = fields
+    node = state.node(number)
+    return all(
+        e is not None and verify(node, first + i, e) for i, e in enumerate(_entries(fields, body))
+    )
+
+
+def _write(
+    state: State, fields: tuple[int, ...], body: memoryview, verify: Verify | None
+) -> list[Free]:
+    number, first, _ = fields
+    entries = _entries(fields, body)
     if verify is not None:
         node = state.node(number)
         entries = [
@@ -170,6 +189,7 @@ _REPLAY: dict[int, _Replay] = {
     SNAPSHOT: _snapshot,
     DELETE_SNAPSHOT: lambda state, f, _b, _v: state.apply_delete_snapshot(f[0]),
     QOS: _qos,
+    BATCH: lambda _state, _f, _b, _v: [],  # where a commit starts: read by recovery itself
 }
 assert set(_REPLAY) == set(RECORDS)  # noqa: S101 - every record type replays
 

@@ -18,9 +18,10 @@ import pytest
 
 from dpu_agent.errors import AgentError
 from dpu_agent.storage import DataServices
+from dpu_agent.storage import journal as journal_module
 from dpu_agent.storage.engine import CowVolumeStore
 from dpu_agent.storage.keys import KeySealer
-from tests.torture.faulty_media import FaultyMedia
+from tests.torture.faulty_media import FaultyMedia, _put
 
 SEALER = KeySealer(bytes(32))
 BS = 4096
@@ -107,5 +108,107 @@ def test_a_checkpoint_never_holds_a_change_whose_data_is_not_durable():
     after = _open(_cut(media, store))
     try:
         assert after.read("v", BS, BS) in {b"o" * BS, b"n" * BS}
+    finally:
+        after.close()
+
+
+class _KeepTheLastWrite(FaultyMedia):
+    """At the cut, only the pool's last queued write survives: the commit's log block
+    reaches the disk, the data written before it does not (as a disk's cache may do)."""
+
+    def _cut(self) -> None:
+        image = {name: bytearray(f.stable) for name, f in self.files.items()}
+        pool = self.files.get("pool")
+        if pool is not None and pool.queued:
+            offset, raw = pool.queued[-1]
+            _put(image["pool"], offset, raw)
+        self._image = image
+        self.dead = True
+
+
+def test_a_change_logged_after_a_write_whose_data_was_lost_is_dropped_with_it():
+    """A snapshot requested after a write was acknowledged holds that write, or does not
+    exist: the cut keeps the snapshot's log block and loses the write's data."""
+    media = _KeepTheLastWrite()
+    store = _open(media)
+    store.create("v", 16 * BS, BS, DataServices(crc32c=True))
+    store.write("v", 0, b"o" * BS, fua=True)
+    store.write("v", 0, b"n" * BS)  # acknowledged, not durable
+    media.cut_at_sync = media.syncs + 1  # the power goes as the snapshot's commit syncs
+    with pytest.raises(AgentError):
+        store.create_snapshot("v", "s")
+    after = _open(_cut(media, store))
+    try:
+        assert after.read("v", 0, BS) in {b"o" * BS, b"n" * BS}
+        snapshots = [s.snapshot_id for s in after.list_snapshots()]
+        if snapshots:
+            after.clone("s", "c")
+            assert after.read("c", 0, BS) == b"n" * BS, "the snapshot lost an acknowledged write"
+        assert snapshots == [], "the snapshot's record came after the write that was lost"
+    finally:
+        after.close()
+
+
+def test_a_log_written_before_batch_records_replays(monkeypatch):
+    """Log blocks from before BATCH records (each then counts as a commit of its own)."""
+    monkeypatch.setattr(journal_module, "batch_record", lambda _first: b"")
+    media = FaultyMedia(keep=0.0, tear=0.0)
+    store = _open(media)
+    store.create("v", 16 * BS, BS, DataServices(crc32c=True))
+    for block in range(8):
+        store.write("v", block * BS, bytes([block + 1]) * BS, fua=block % 2 == 0)
+    store.create_snapshot("v", "s")
+    monkeypatch.undo()
+    after = _open(_cut(media, store))
+    try:
+        assert after.read("v", 0, 8 * BS) == b"".join(bytes([b + 1]) * BS for b in range(8))
+        assert [s.snapshot_id for s in after.list_snapshots()] == ["s"]
+    finally:
+        after.close()
+
+
+def test_what_recovery_made_of_the_log_is_final():
+    """Recovery judges the last commit before a crash once: the open writes a checkpoint.
+    Judged again later, after the space of its writes was freed and reused, the same
+    commit would lose changes that the store since built on (here, a volume's creation).
+    """
+    media = FaultyMedia(keep=1.0, tear=0.0)  # the cut keeps every write it finds queued
+    store = _open(media)
+    store.create("v", 16 * BS, BS, DataServices(crc32c=True))
+    store.write("v", 0, b"a" * BS, fua=True)
+    store.write("v", BS, b"b" * BS)
+    media.cut_at_sync = media.syncs + 1  # the power goes as the next commit syncs
+    with pytest.raises(AgentError):
+        store.create("w", 16 * BS, BS, DataServices(crc32c=True))
+    media = _cut(media, store)  # that commit is on disk whole, its sync never returned
+    store = _open(media)
+    assert [v.volume_id for v in store.list()] == ["v", "w"]
+    store.write("v", BS, b"B" * BS, fua=True)  # frees the space "b" was in: reused below
+    for block in range(16):
+        store.write("w", block * BS, bytes([block]) * BS, fua=True)
+    after = _open(_cut(media, store))
+    try:
+        assert after.read("v", 0, 2 * BS) == b"a" * BS + b"B" * BS
+        assert after.read("w", 0, 16 * BS) == b"".join(bytes([b]) * BS for b in range(16))
+    finally:
+        after.close()
+
+
+def test_space_a_commit_frees_waits_for_a_later_commit():
+    """A block written and overwritten within one commit: the first write's space is not
+    reused until a later commit is durable. Reused at once, a power cut after its new
+    data landed (and before any later commit) would leave recovery a last commit whose
+    first write does not match its data, read as a commit that never synced: the FUA
+    write acknowledged in it would be dropped."""
+    media = FaultyMedia(keep=1.0, tear=0.0)
+    store = _open(media)
+    store.create("v", 16 * BS, BS, DataServices(crc32c=True))
+    store.write("v", 0, b"1" * BS)
+    store.write("v", 0, b"2" * BS, fua=True)  # one commit with both; frees the first's space
+    for block in range(1, 4):
+        store.write("v", block * BS, b"x" * BS)  # not committed; their data reaches the disk
+    after = _open(_cut(media, store))
+    try:
+        assert after.read("v", 0, BS) == b"2" * BS, "an acknowledged FUA write was lost"
     finally:
         after.close()
