@@ -374,9 +374,12 @@ class CowVolumeStore(VolumeStore):
         data did not land ends the replay of the commit. Nothing from it on was
         acknowledged durable, and applying what follows it (a snapshot, say) would
         record a state in which that write never happened though it was acknowledged
-        before them.
+        before them. (That holds because the space a commit frees is reused only once a
+        later commit is durable; a log from before BATCH records, written when it was
+        reused at once, is replayed entry by entry throughout.)
         """
         verify = self._verify
+        last = last and bool(payloads) and batch_of(payloads[0]) is not None
         for payload in payloads:
             for kind, body in log_records(payload):
                 if last and not landed(state, kind, body, verify):
