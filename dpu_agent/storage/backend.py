@@ -51,31 +51,13 @@ BatchedWrite: TypeAlias = "tuple[str, int, bytes | memoryview]"  # (volume id, o
 def screened_batch(
     writes: Sequence[BatchedWrite],
     check: Callable[[str], object],
-    inner: Callable[[Sequence[BatchedWrite]], builtins.list[AgentError | None]],
+    inner: Callable[[builtins.list[BatchedWrite]], builtins.list[AgentError | None]],
 ) -> builtins.list[AgentError | None]:
     """`write_batch` through a per-volume `check`.
 
     Writes to a volume `check` refuses get its error; the others go to `inner` together,
     in order.
     """
-    if not writes:
-        return []
-    first = writes[0][0]
-    if all(write[0] == first for write in writes):  # one volume (as at QD1): one check
-        try:
-            check(first)
-        except AgentError as exc:
-            return [exc] * len(writes)
-        return inner(writes)
-    return _screened_mixed(writes, check, inner)
-
-
-def _screened_mixed(
-    writes: Sequence[BatchedWrite],
-    check: Callable[[str], object],
-    inner: Callable[[Sequence[BatchedWrite]], builtins.list[AgentError | None]],
-) -> builtins.list[AgentError | None]:
-    """`screened_batch` of writes to several volumes: one check per volume."""
     verdicts: dict[str, AgentError | None] = {}
     results: builtins.list[AgentError | None] = [None] * len(writes)
     passing: builtins.list[BatchedWrite] = []
