@@ -90,6 +90,7 @@ from dpu_agent.storage.records import (
     resize_record,
     snapshot_record,
     trim_record,
+    written,
 )
 from dpu_agent.storage.space import SpaceMap
 from dpu_agent.storage.state import SNAPSHOT, VOLUME, Node, State, clone_volumes, resolve
@@ -269,13 +270,9 @@ class CowVolumeStore(VolumeStore):
             legacy.remove()
         self._ckpt_number = loaded.number
         state = loaded.state
-        end, live, salt = self._replay(state, loaded.position)
+        end, live, salt, pinned = self._replay(state, loaded.position)
         position = LogPosition(end.head, end.seq, _new_salt(), salt)
-        self._setup(state, self._rebuild_space(state, live, end.head), position, live)
-        if live:
-            # What recovery made of the log is final: a later recovery must not judge its
-            # records again, after the space of those it dropped has been reused.
-            self._journal.checkpoint_now()
+        self._setup(state, self._rebuild_space(state, live, end.head, pinned), position, live)
         log.info(
             "volume store open",
             extra={
@@ -337,21 +334,26 @@ class CowVolumeStore(VolumeStore):
 
     def _replay(
         self, state: State, start: LogPosition
-    ) -> tuple[LogPosition, builtins.list[tuple[int, int]], int]:
-        """Apply the log after the checkpoint; returns where it ends, its blocks, its salt."""
+    ) -> tuple[LogPosition, builtins.list[tuple[int, int]], int, builtins.list[tuple[int, int]]]:
+        """Apply the log after the checkpoint.
+
+        Returns where it ends, its blocks, its salt, and the space to pin (see
+        `_apply_commit`).
+        """
         sector, seq, salt = start.head, start.seq, start.prev_salt
         live = []
+        pinned: builtins.list[tuple[int, int]] = []
         commit: builtins.list[memoryview] = []  # the payloads of the commit being read
         while True:
             parsed = parse_log_block(self._pool.pread(CHUNK, sector * SECTOR))
             # the next block of this era, or the first block of the next era; anything
             # else was written in an era that recovery has already cut off
             if parsed is None or parsed[2] != seq or parsed[1] != salt:
-                self._apply_commit(state, commit, last=True)
+                pinned += self._apply_commit(state, commit, last=True)
                 break
             block_salt, _, _, nxt, payload = parsed
             if block_salt != salt:  # a new era: the commit before was the last of its era
-                self._apply_commit(state, commit, last=True)
+                pinned += self._apply_commit(state, commit, last=True)
                 commit = []
             elif batch_of(payload) in {None, seq}:  # a new commit (or a block from before
                 self._apply_commit(state, commit, last=False)  # BATCH records: its own)
@@ -359,11 +361,11 @@ class CowVolumeStore(VolumeStore):
             commit.append(payload)
             live.append((seq, sector))
             salt, sector, seq = block_salt, nxt, seq + 1
-        return LogPosition(sector, seq, salt, salt), live, salt
+        return LogPosition(sector, seq, salt, salt), live, salt, pinned
 
     def _apply_commit(
         self, state: State, payloads: builtins.list[memoryview], *, last: bool
-    ) -> None:
+    ) -> builtins.list[tuple[int, int]]:
         """Replay the records of one commit (one sync).
 
         Commits are made one after another: a block of a later commit on disk means this
@@ -377,18 +379,28 @@ class CowVolumeStore(VolumeStore):
         before them. (That holds because the space a commit frees is reused only once a
         later commit is durable; a log from before BATCH records, written when it was
         reused at once, is replayed entry by entry throughout.)
+
+        Returns, for a last commit, the space its writes name up to where its replay
+        ended, as (sector, block size): the store pins it (never reuses it) until the
+        next open. Until a checkpoint covers this commit, every recovery judges it again,
+        and must judge it the same way: a write applied now must still match its data
+        then, and the one that ended the replay must still not.
         """
         verify = self._verify
         last = last and bool(payloads) and batch_of(payloads[0]) is not None
+        pinned: builtins.list[tuple[int, int]] = []
         for payload in payloads:
             for kind, body in log_records(payload):
-                if last and not landed(state, kind, body, verify):
-                    log.warning(
-                        "recovery dropped the end of the last commit before the crash: "
-                        "the data of a write in it never reached the disk"
-                    )
-                    return
+                if last:
+                    pinned += written(state, kind, body)
+                    if not landed(state, kind, body, verify):
+                        log.warning(
+                            "recovery dropped the end of the last commit before the crash: "
+                            "the data of a write in it never reached the disk"
+                        )
+                        return pinned
                 replay(state, kind, body, verify)
+        return pinned
 
     def _verify(self, node: Node, _block: int, entry: Entry) -> bool:
         """True if the data an entry points to matches its CRC (recovery)."""
@@ -400,20 +412,31 @@ class CowVolumeStore(VolumeStore):
         return bool(crc32c.crc32c(self._pool.pread(stored, phys * SECTOR)) == crc)
 
     def _rebuild_space(
-        self, state: State, live: builtins.list[tuple[int, int]], head: int
+        self,
+        state: State,
+        live: builtins.list[tuple[int, int]],
+        head: int,
+        pinned: builtins.list[tuple[int, int]],
     ) -> SpaceMap:
-        chunks = [sector // SECTORS_PER_CHUNK for _, sector in live]
-        chunks.append(head // SECTORS_PER_CHUNK)
-        sectors = []
+        chunks = {sector // SECTORS_PER_CHUNK for _, sector in live}
+        chunks.add(head // SECTORS_PER_CHUNK)
+        sectors: set[int] = set()
         for node in state.nodes.values():
             small = node.block_size != CHUNK
             for chunk in node.map.chunks.values():
                 used = [p for p in chunk.phys if p > ZERO]
                 if small:
-                    sectors.extend(used)
+                    sectors.update(used)
                 else:
-                    chunks.extend(p // SECTORS_PER_CHUNK for p in used)
-        return SpaceMap.rebuild(chunks, sectors, self._pool.data_ranges())
+                    chunks.update(p // SECTORS_PER_CHUNK for p in used)
+        for sector, block_size in pinned:
+            if block_size == CHUNK:
+                chunks.add(sector // SECTORS_PER_CHUNK)
+            else:
+                sectors.add(sector)
+        space = SpaceMap.rebuild(chunks, sectors, self._pool.data_ranges())
+        space.pin(sector for sector, _ in pinned)
+        return space
 
     def _import(self, legacy: LegacySource) -> None:
         """Copy the volumes of an older store in (their stored bytes, keys and records)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from dpu_agent.storage.blockmap import Entry
+from dpu_agent.storage.blockmap import ZERO, Entry
 from dpu_agent.storage.errors import DataCorruption
 from dpu_agent.storage.layout import (
     BATCH,
@@ -96,6 +96,18 @@ def _entries(fields: tuple[int, ...], body: memoryview) -> list[Entry | None]:
     if at + count * WRITE_ENTRY.size > len(body):
         raise DataCorruption("a write record is cut short")
     return [WRITE_ENTRY.unpack_from(body, at + i * WRITE_ENTRY.size) for i in range(count)]
+
+
+def written(state: State, kind: int, body: memoryview) -> list[tuple[int, int]]:
+    """(sector, block size) of each block a write record points to; [] for other kinds."""
+    if kind != WRITE:
+        return []
+    try:
+        fields = RECORDS[WRITE][1].unpack_from(body, 0)
+    except struct.error as exc:
+        raise DataCorruption(f"a metadata record cannot be read: {exc}") from None
+    bs = state.node(fields[0]).block_size
+    return [(e[0], bs) for e in _entries(fields, body) if e is not None and e[0] > ZERO]
 
 
 def landed(state: State, kind: int, body: memoryview, verify: Verify) -> bool:

@@ -45,6 +45,7 @@ class SpaceMap:
         self._small_free: set[int] = set()
         self._small_used: dict[int, int] = {}  # chunk of small blocks -> sectors in use
         self._discarding: set[int] = set()  # out of limbo, not yet discarded (still taken)
+        self._pinned: set[int] = set()  # sectors never freed until the store reopens
         self.used_chunks = 0  # whole chunks in use, small-block chunks included
         self._epoch = 0
         self._limbo: collections.deque[tuple[int, list[Free]]] = collections.deque()
@@ -116,6 +117,8 @@ class SpaceMap:
         With `discard`, a chunk the block empties stays taken: its range is returned, to
         be discarded and then given to `discarded`.
         """
+        if sector in self._pinned:
+            return None  # kept taken (see `pin`)
         chunk = sector // SECTORS_PER_CHUNK
         if block_size != CHUNK:
             self._small_free.add(sector)
@@ -144,6 +147,13 @@ class SpaceMap:
             for chunk in range(offset // CHUNK, (offset + length) // CHUNK):
                 self._discarding.remove(chunk)
                 self._put_chunk(chunk, backed=backed)
+
+    def pin(self, sectors: Iterable[int]) -> None:
+        """Never free these (taken) blocks again, whatever frees them, until the store reopens.
+
+        Recovery's pins: see `CowVolumeStore._apply_commit`.
+        """
+        self._pinned.update(sectors)
 
     # ------------------------------------------------------------ limbo
 

@@ -167,10 +167,11 @@ def test_a_log_written_before_batch_records_replays(monkeypatch):
         after.close()
 
 
-def test_what_recovery_made_of_the_log_is_final():
-    """Recovery judges the last commit before a crash once: the open writes a checkpoint.
-    Judged again later, after the space of its writes was freed and reused, the same
-    commit would lose changes that the store since built on (here, a volume's creation).
+def test_recovery_judges_a_runs_last_commit_the_same_way_every_time():
+    """Until a checkpoint covers it, every recovery judges the last commit before a crash
+    again; the space its writes name is pinned (not reused) until the store reopens. Had
+    a write's space been freed and reused, a later recovery would end that commit's
+    replay there and lose what the store since built on (here, a volume's creation).
     """
     media = FaultyMedia(keep=1.0, tear=0.0)  # the cut keeps every write it finds queued
     store = _open(media)
