@@ -384,7 +384,10 @@ class Journal(Generic[ImageT]):
                     self._cond.wait()
                     continue
                 if not self._blocks:
-                    promise = self.reserve(0, emergency=True)
+                    try:
+                        promise = self.reserve(0, emergency=True)
+                    except ResourceExhausted:  # no room for a log block: the next commit
+                        return  # frees the space (the change itself is durable already)
                     self._blocks.append([])  # a block with only its BATCH record
                     self._fill = 0
                     self._promised -= promise

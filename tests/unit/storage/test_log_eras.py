@@ -16,7 +16,7 @@ import logging
 
 import pytest
 
-from dpu_agent.errors import AgentError
+from dpu_agent.errors import AgentError, ResourceExhausted
 from dpu_agent.storage import DataServices
 from dpu_agent.storage import journal as journal_module
 from dpu_agent.storage.engine import CowVolumeStore
@@ -243,5 +243,34 @@ def test_a_log_from_before_batch_records_is_replayed_entry_by_entry(monkeypatch)
     after = _open(image)
     try:
         assert after.read("v", 0, BS) == b"2" * BS, "an acknowledged FUA write was lost"
+    finally:
+        after.close()
+
+
+def test_a_trim_returns_though_no_log_block_is_left_to_free_its_space_at_once():
+    """A trim commits once more so that its space is free when it returns; with no room
+    for that empty log block it returns all the same (the trim is durable), and the
+    space is freed by the next commit."""
+    media = FaultyMedia(keep=0.0, tear=0.0)
+    store = _open(media)
+    store.create("v", 16 * BS, BS, DataServices(crc32c=True))
+    store.write("v", 0, b"a" * 2 * BS, fua=True)
+    journal = store._journal
+    reserve = journal.reserve
+
+    def no_room_for_an_empty_block(nbytes: int, *, emergency: bool = False) -> int:
+        if nbytes == 0:
+            raise ResourceExhausted("no space left for the volume store's metadata log")
+        return reserve(nbytes, emergency=emergency)
+
+    journal.reserve = no_room_for_an_empty_block  # type: ignore[method-assign]
+    store.trim("v", 0, BS)
+    trimmed = list(journal._held)
+    assert trimmed, "the trim's space waits for the next commit"
+    store.write("v", BS, b"b" * BS, fua=True)
+    assert not set(trimmed) & set(journal._held), "the next commit freed the trim's space"
+    after = _open(_cut(media, store))
+    try:
+        assert after.read("v", 0, 2 * BS) == bytes(BS) + b"b" * BS
     finally:
         after.close()
