@@ -81,16 +81,15 @@ from dpu_agent.storage.layout import (
 from dpu_agent.storage.layout import records as log_records
 from dpu_agent.storage.qos import OPS, VolumeQos, check_qos
 from dpu_agent.storage.records import (
+    check_write,
     create_record,
     delete_snapshot_record,
     delete_volume_record,
-    landed,
     qos_record,
     replay,
     resize_record,
     snapshot_record,
     trim_record,
-    written,
 )
 from dpu_agent.storage.space import SpaceMap
 from dpu_agent.storage.state import SNAPSHOT, VOLUME, Node, State, clone_volumes, resolve
@@ -391,15 +390,18 @@ class CowVolumeStore(VolumeStore):
         pinned: builtins.list[tuple[int, int]] = []
         for payload in payloads:
             for kind, body in log_records(payload):
-                if last:
-                    pinned += written(state, kind, body)
-                    if not landed(state, kind, body, verify):
-                        log.warning(
-                            "recovery dropped the end of the last commit before the crash: "
-                            "the data of a write in it never reached the disk"
-                        )
-                        return pinned
-                replay(state, kind, body, verify)
+                if not last:
+                    replay(state, kind, body, verify)
+                    continue
+                intact, blocks = check_write(state, kind, body, verify)
+                pinned += blocks
+                if not intact:
+                    log.warning(
+                        "recovery dropped the end of the last commit before the crash: "
+                        "the data of a write in it never reached the disk"
+                    )
+                    return pinned
+                replay(state, kind, body)  # its data was checked just above
         return pinned
 
     def _verify(self, node: Node, _block: int, entry: Entry) -> bool:

@@ -98,31 +98,25 @@ def _entries(fields: tuple[int, ...], body: memoryview) -> list[Entry | None]:
     return [WRITE_ENTRY.unpack_from(body, at + i * WRITE_ENTRY.size) for i in range(count)]
 
 
-def written(state: State, kind: int, body: memoryview) -> list[tuple[int, int]]:
-    """(sector, block size) of each block a write record points to; [] for other kinds."""
-    if kind != WRITE:
-        return []
-    try:
-        fields = RECORDS[WRITE][1].unpack_from(body, 0)
-    except struct.error as exc:
-        raise DataCorruption(f"a metadata record cannot be read: {exc}") from None
-    bs = state.node(fields[0]).block_size
-    return [(e[0], bs) for e in _entries(fields, body) if e is not None and e[0] > ZERO]
+def check_write(
+    state: State, kind: int, body: memoryview, verify: Verify
+) -> tuple[bool, list[tuple[int, int]]]:
+    """A write record's check: whether every block's data matches its CRC, and blocks.
 
-
-def landed(state: State, kind: int, body: memoryview, verify: Verify) -> bool:
-    """False if the record is a write with a block whose data does not match its CRC."""
+    The blocks are (sector, block size) of each one it points to. (True, []) for the
+    other kinds.
+    """
     if kind != WRITE:
-        return True
+        return True, []
     try:
         fields = RECORDS[WRITE][1].unpack_from(body, 0)
     except struct.error as exc:
         raise DataCorruption(f"a metadata record cannot be read: {exc}") from None
     number, first, _ = fields
     node = state.node(number)
-    return all(
-        e is not None and verify(node, first + i, e) for i, e in enumerate(_entries(fields, body))
-    )
+    entries = _entries(fields, body)
+    intact = all(e is not None and verify(node, first + i, e) for i, e in enumerate(entries))
+    return intact, [(e[0], node.block_size) for e in entries if e is not None and e[0] > ZERO]
 
 
 def _write(
