@@ -100,7 +100,10 @@ def _depth(message) -> int:
 def test_every_field_kind_is_drawn_and_round_trips():
     seen: set[str] = set()
 
-    @settings(PROFILE, max_examples=150)
+    # This checks the strategy's reach, not the code under test, so it draws the same
+    # examples every run: with random ones, 150 examples missed "unknown enum value"
+    # in 1 run of 100 (seeded runs, 2026-11-26).
+    @settings(PROFILE, max_examples=150, derandomize=True, database=None)
     @given(STRATEGIES.message(DESCRIPTOR))
     def draw(message):
         data = message.SerializeToString(deterministic=True)  # NaN != NaN: compare bytes
