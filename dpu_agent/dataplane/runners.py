@@ -20,6 +20,12 @@ The operations:
   the store then allocates, reserves log room and takes its lock once for all of them.
 - `Sleep`: wait (a QoS throttle) without holding anything but the job's buffers.
 
+A source that came inline in the SUBMIT (data-plane.md 2.8) is already in the job's
+memory (`JobRecord.inline`). Kinds that only consume their source (CRC-32C, volume
+writes: `BUFFERLESS_INLINE`) read it there, with no staging buffer and no copy; the
+others READ it into their buffer like any source (the pipeline copies it, no
+operation is posted), because what they WRITE back must be in registered memory.
+
 Cancellation and deadlines are the pipeline's: it stops resuming a generator whose job
 ended. An operation already posted always completes before its buffer is reused.
 """
@@ -117,10 +123,16 @@ class Storage(Protocol):
         """Seconds to wait before this I/O (QoS), tokens taken."""
 
 
+BUFFERLESS_INLINE: Final = frozenset({JobKind.CRC32C, JobKind.VOLUME_WRITE})
+"""Kinds whose runner uses an inline source where it is, taking no staging buffer."""
+
+
 def buffers_needed(job: JobRecord) -> tuple[int, int]:
     """(largest single transfer, number of buffers) the job's runner asks for."""
     kind = job.kind
     if kind in (JobKind.VOLUME_FLUSH, JobKind.VOLUME_TRIM):
+        return 0, 0
+    if job.inline and kind in BUFFERLESS_INLINE:
         return 0, 0
     largest = max(job.source.length, job.destination.length)
     if job.row.compute and kind != JobKind.SHA256:
@@ -146,6 +158,10 @@ def copy(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runne
 
 def crc32c(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runner:
     """CRC-32C of the source; the result in the low 32 bits."""
+    if job.inline:  # at most MAX_INLINE bytes: computed here, on the reactor
+        job.bytes_read = len(job.inline)
+        job.result = compute.crc32c(job.inline, 0)
+        return
     buffer = buffers[0]
     src = job.source
     crc = 0
@@ -236,8 +252,19 @@ def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> 
 
 def volume_write(job: JobRecord, buffers: list[Buffer], store: Storage | None) -> Runner:
     """READ the source chunk by chunk into the volume at `offset`; FUA: then durable."""
-    buffer = buffers[0]
     storage = _require(store)
+    if job.inline:  # one chunk, already here
+        size = len(job.inline)
+        yield from _throttle(storage, job, "write", size)
+        job.bytes_read = size
+        view = memoryview(job.inline)
+        if job.fua:
+            write = _bind_write(storage, job.volume_id, job.offset, view, fua=True)
+            yield Io(write, blocking=True)
+        else:
+            yield BatchWrite(job.volume_id, job.offset, view)
+        return
+    buffer = buffers[0]
     src = job.source
     for offset, size in _chunks(src.length, buffer.size):
         yield from _throttle(storage, job, "write", size)

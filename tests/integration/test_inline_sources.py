@@ -36,12 +36,15 @@ async def test_small_sources_go_inline_and_large_ones_are_read(agent):
         assert await session.crc32c(small) == crc32c.crc32c(data[:4096])
         await client.create_volume("inline", 1 << 20)
         await session.write_volume("volumes/inline", 4096, small, fua=True)
+        await session.write_volume("volumes/inline", 8192, buf[4096:8192])  # batched, not FUA
         assert _reads(session) == 0, "an inline source was READ"
         assert await session.crc32c(large) == crc32c.crc32c(data)
         assert _reads(session) == 1
         out = await session.alloc(4096, writable=True)
         await session.read_volume("volumes/inline", 4096, out)
         assert bytes(out.view) == data[:4096]
+        await session.read_volume("volumes/inline", 8192, out)
+        assert bytes(out.view) == data[4096:]
 
 
 async def test_inline_off_reads_every_source(agent):

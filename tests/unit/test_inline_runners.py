@@ -1,0 +1,84 @@
+"""Runners that use an inline source where it is (`runners.BUFFERLESS_INLINE`).
+
+A CRC-32C or a volume write whose source came in the SUBMIT takes no staging buffer
+and copies nothing: the runner reads `JobRecord.inline`. Jobs of these kinds with a
+READ source, and inline jobs of kinds that WRITE back (copy), still take a buffer.
+End to end over tcp: tests/integration/test_inline_sources.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import crc32c
+import pytest
+
+from dpu_agent.dataplane import runners
+from dpu_agent.dataplane.jobs import JobRecord, Origin
+from dpu_wire.capsule import Span
+from dpu_wire.jobkinds import JobKind
+
+DATA = os.urandom(4096)
+
+
+def _job(kind: JobKind, *, inline: bool, fua: bool = False) -> JobRecord:
+    source = Span(0, len(DATA), 0) if inline else Span(0x1000, len(DATA), 7)
+    destination = Span(0x9000, len(DATA), 8) if kind is JobKind.COPY else Span()
+    return JobRecord(
+        1, kind, source, destination, Origin.CAPSULE, 1e12,
+        volume_id="v" if kind is JobKind.VOLUME_WRITE else "",
+        offset=8192, fua=fua, inline=DATA if inline else b"",
+    )  # fmt: skip
+
+
+class _Store:
+    """Records what the runner asks of the store."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, int, bytes, bool]] = []
+
+    def throttle(self, _volume_id: str, _op: str, _nbytes: int) -> float:
+        return 0.0
+
+    def write(self, volume_id: str, offset: int, data: memoryview, *, fua: bool) -> None:
+        self.writes.append((volume_id, offset, bytes(data), fua))
+
+
+@pytest.mark.parametrize("kind", [JobKind.CRC32C, JobKind.VOLUME_WRITE])
+def test_an_inline_source_needs_no_buffer_and_a_read_one_does(kind):
+    assert runners.buffers_needed(_job(kind, inline=True)) == (0, 0)
+    assert runners.buffers_needed(_job(kind, inline=False)) == (len(DATA), 1)
+
+
+def test_an_inline_copy_still_takes_a_buffer_for_its_write():
+    assert runners.buffers_needed(_job(JobKind.COPY, inline=True)) == (len(DATA), 1)
+
+
+def test_an_inline_crc_is_computed_from_the_inline_bytes():
+    job = _job(JobKind.CRC32C, inline=True)
+    gen = runners.crc32c(job, [], None)
+    with pytest.raises(StopIteration):
+        next(gen)  # no READ, no Work: done at once
+    assert job.result == crc32c.crc32c(DATA)
+    assert job.bytes_read == len(DATA)
+
+
+def test_an_inline_volume_write_hands_the_inline_bytes_to_the_store():
+    job = _job(JobKind.VOLUME_WRITE, inline=True)
+    op = next(runners.volume_write(job, [], _Store()))
+    assert isinstance(op, runners.BatchWrite)
+    assert (op.volume_id, op.offset, bytes(op.view)) == ("v", 8192, DATA)
+    assert job.bytes_read == len(DATA)
+
+
+def test_an_inline_fua_write_is_one_durable_store_call():
+    store = _Store()
+    job = _job(JobKind.VOLUME_WRITE, inline=True, fua=True)
+    gen = runners.volume_write(job, [], store)
+    op = next(gen)
+    assert isinstance(op, runners.Io)
+    assert op.blocking
+    op.fn()
+    assert store.writes == [("v", 8192, DATA, True)]
+    with pytest.raises(StopIteration):
+        gen.send(None)
