@@ -36,7 +36,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Protocol, Self
+from typing import TYPE_CHECKING, Final, Protocol, Self
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -55,6 +55,9 @@ class Access(enum.IntFlag):
     NONE = 0
     REMOTE_READ = 1  # the agent may READ it (job input)
     REMOTE_WRITE = 2  # the agent may WRITE it (job output)
+
+
+_REMOTE_READ: Final = Access.REMOTE_READ.value
 
 
 class TransportError(Exception):
@@ -111,7 +114,7 @@ def readable_view(region: Region | None, span: Span) -> memoryview | None:
 
     What a host link sends an inline source from (`HostLink.local_view`).
     """
-    if region is None or not region.access & Access.REMOTE_READ:
+    if region is None or not region.access.value & _REMOTE_READ:  # IntFlag's & costs 1 us
         return None
     offset = span[0] - region.addr
     if offset < 0 or offset + span[1] > region.length:
