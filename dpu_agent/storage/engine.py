@@ -375,9 +375,10 @@ class CowVolumeStore(VolumeStore):
         data did not land ends the replay of the commit. Nothing from it on was
         acknowledged durable, and applying what follows it (a snapshot, say) would
         record a state in which that write never happened though it was acknowledged
-        before them. (That holds because the space a commit frees is reused only once a
-        later commit is durable; a log from before BATCH records, written when it was
-        reused at once, is replayed entry by entry throughout.)
+        before them. (That holds because space a commit frees that its own writes point
+        to is reused only once a later commit is durable; a log from before BATCH
+        records, written when it was reused at once, is replayed entry by entry
+        throughout.)
 
         Returns, for a last commit, the space its writes name up to where its replay
         ended, as (sector, block size): the store pins it (never reuses it) until the
@@ -492,7 +493,9 @@ class CowVolumeStore(VolumeStore):
             for block, entry in batch:
                 self._journal.reserve(64)
                 self._state.apply_write(node.node, block, [entry])
-                self._journal.append(write_record(node.node, block, [entry]), [], 1)
+                self._journal.append(
+                    write_record(node.node, block, [entry]), [], 1, written=(entry[0],)
+                )
         self._journal.wait(self._journal.appended)
 
     # ------------------------------------------------------------ checkpoints
@@ -1093,7 +1096,11 @@ class CowVolumeStore(VolumeStore):
                 for part_at in range(0, count, MAX_WRITE_ENTRIES):
                     part = entries[part_at : part_at + MAX_WRITE_ENTRIES]
                     frees = state.apply_write(node.node, first + part_at, part)
-                    seq = journal.append(write_record(node.node, first + part_at, part), frees)
+                    seq = journal.append(
+                        write_record(node.node, first + part_at, part),
+                        frees,
+                        written=mine,  # all in this commit: a superset for a part is fine
+                    )
             journal.unreserve(promise)
         return seq, errors
 

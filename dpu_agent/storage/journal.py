@@ -51,13 +51,14 @@ from dpu_agent.storage.layout import (
     CHUNK,
     RECORD_ROOM,
     SECTOR,
+    WRITE,
     LogPosition,
     batch_record,
     pack_log_block,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from dpu_agent.storage.media import StoreFile
     from dpu_agent.storage.space import Range, SpaceMap
@@ -92,6 +93,7 @@ T = TypeVar("T")
 class _Batch:
     blocks: list[tuple[int, bytes, int]]  # (sector, block, seq)
     frees: list[Free]
+    written: list[Sequence[int]]  # the data sectors its WRITE records name
     last: int  # the last record in it
 
 
@@ -126,9 +128,13 @@ class Journal(Generic[ImageT]):
         self._blocks: list[list[bytes]] = []  # pending log blocks, as lists of records
         self._fill = 0  # payload bytes in the last pending block
         self._frees: list[Free] = []
-        # The last commit's frees: reused only once a later commit is durable, so that
-        # recovery may read a write in the last commit on disk whose data does not match
-        # as lost (that sync never returned), never as space reused after it returned.
+        self._written: list[Sequence[int]] = []  # data sectors of the pending WRITE records
+        # What the last commit freed of the data its own WRITE records point to: reused
+        # only once a later commit is durable, so that recovery may read a write in the
+        # last commit on disk whose data does not match as lost (that sync never
+        # returned), never as space reused after it returned. Space written by earlier
+        # commits is not judged by recovery again (a previous run's last commit is
+        # pinned at open instead), so it is reusable as soon as its commit is durable.
         self._held: list[Free] = []
         self._held_last = 0  # the last record of that commit
         self.appended = 0  # records appended so far
@@ -233,8 +239,17 @@ class Journal(Generic[ImageT]):
             raise
         return sector
 
-    def append(self, record: bytes, frees: list[Free], promise: int = 0) -> int:
-        """Add a record (changes already applied); returns its number for `wait`."""
+    def append(
+        self, record: bytes, frees: list[Free], promise: int = 0, written: Sequence[int] = ()
+    ) -> int:
+        """Add a record (changes already applied); returns its number for `wait`.
+
+        A WRITE record comes with `written`, the pool sectors its entries point to.
+        """
+        if written:
+            self._written.append(written)
+        elif record[0] == WRITE:
+            raise ValueError("a WRITE record is appended with the sectors it points to")
         if not self._blocks or self._fill + len(record) > RECORD_ROOM:
             self._blocks.append([])
             self._fill = 0
@@ -293,8 +308,8 @@ class Journal(Generic[ImageT]):
             )
             pos = LogPosition(nxt, pos.seq + 1, pos.salt, pos.salt)
         self._pos = pos
-        batch = _Batch(blocks, self._frees, self.appended)
-        self._blocks, self._fill, self._frees = [], 0, []
+        batch = _Batch(blocks, self._frees, self._written, self.appended)
+        self._blocks, self._fill, self._frees, self._written = [], 0, [], []
         return batch
 
     def _run(self, batch: _Batch) -> None:
@@ -322,7 +337,9 @@ class Journal(Generic[ImageT]):
             self._live.extend((seq, sector) for sector, _, seq in batch.blocks)
             self._since_checkpoint += len(batch.blocks) * CHUNK
             self._space.retire(self._held)  # a later commit (this one) is durable now
-            self._held, self._held_last = batch.frees, batch.last
+            held, free_now = _split_frees(batch.frees, batch.written)
+            self._space.retire(free_now)
+            self._held, self._held_last = held, batch.last
             discards = self._space.reclaim()
             self._cond.notify_all()
         self.discard(discards)
@@ -372,8 +389,9 @@ class Journal(Generic[ImageT]):
     def release_frees(self, seq: int) -> None:
         """Return once the space the commit of record `seq` freed is reusable.
 
-        Call after `wait(seq)`. A later commit must be durable (see `_held`); with nothing
-        else to commit, that is an empty log block.
+        Call after `wait(seq)`. Space that commit's own WRITE records pointed to needs a
+        later durable commit (see `_held`); with nothing else to commit, that is an empty
+        log block. Without such space, this returns at once.
         """
         while True:
             with self._cond:
@@ -464,3 +482,14 @@ def _merged(ranges: list[Range]) -> list[Range]:
         else:
             out.append((offset, length))
     return out
+
+
+def _split_frees(frees: list[Free], written: list[Sequence[int]]) -> tuple[list[Free], list[Free]]:
+    """(what to hold: frees of sectors the same commit's WRITE records name, the rest)."""
+    if not frees or not written:
+        return [], frees
+    mine = {sector for sectors in written for sector in sectors}
+    held = [free for free in frees if free[0] in mine]
+    if not held:
+        return [], frees
+    return held, [free for free in frees if free[0] not in mine]

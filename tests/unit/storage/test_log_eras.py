@@ -21,6 +21,7 @@ from dpu_agent.storage import DataServices
 from dpu_agent.storage import journal as journal_module
 from dpu_agent.storage.engine import CowVolumeStore
 from dpu_agent.storage.keys import KeySealer
+from dpu_agent.storage.layout import write_record
 from tests.torture.faulty_media import FaultyMedia, _put
 
 SEALER = KeySealer(bytes(32))
@@ -248,13 +249,14 @@ def test_a_log_from_before_batch_records_is_replayed_entry_by_entry(monkeypatch)
 
 
 def test_a_trim_returns_though_no_log_block_is_left_to_free_its_space_at_once():
-    """A trim commits once more so that its space is free when it returns; with no room
-    for that empty log block it returns all the same (the trim is durable), and the
-    space is freed by the next commit."""
+    """A trim that frees space written in its own commit commits once more, so that the
+    space is free when it returns; with no room for that empty log block it returns all
+    the same (the trim is durable), and the space is freed by the next commit."""
     media = FaultyMedia(keep=0.0, tear=0.0)
     store = _open(media)
     store.create("v", 16 * BS, BS, DataServices(crc32c=True))
     store.write("v", 0, b"a" * 2 * BS, fua=True)
+    store.write("v", 0, b"c" * BS)  # pending: committed with the trim, which frees it
     journal = store._journal
     reserve = journal.reserve
 
@@ -274,3 +276,34 @@ def test_a_trim_returns_though_no_log_block_is_left_to_free_its_space_at_once():
         assert after.read("v", 0, 2 * BS) == bytes(BS) + b"b" * BS
     finally:
         after.close()
+
+
+def test_a_trim_of_older_data_frees_it_without_another_commit():
+    """Space written by an earlier commit is not judged again by recovery, so a trim of
+    it needs no second commit: its space is reusable once the trim is durable."""
+    media = FaultyMedia(keep=1.0, tear=0.0)
+    store = _open(media)
+    store.create("v", 16 * BS, BS, DataServices(crc32c=True))
+    store.write("v", 0, b"a" * 2 * BS, fua=True)
+    journal = store._journal
+    commits = journal.commits
+    store.trim("v", 0, BS)
+    assert journal.commits == commits + 1, "the trim committed more than once"
+    assert not journal._held
+    store.write("v", 2 * BS, b"b" * BS, fua=True)  # may reuse the trimmed space
+    after = _open(_cut(media, store))
+    try:
+        assert after.read("v", 0, 3 * BS) == bytes(BS) + b"a" * BS + b"b" * BS
+    finally:
+        after.close()
+
+
+def test_a_write_record_without_its_sectors_is_refused():
+    """The hold above depends on knowing what each WRITE record points to."""
+    media = FaultyMedia(keep=1.0, tear=0.0)
+    store = _open(media)
+    try:
+        with pytest.raises(ValueError, match="sectors"):
+            store._journal.append(write_record(1, 0, [(64, 0, 0)]), [])
+    finally:
+        store.close()
