@@ -58,13 +58,13 @@ def _acknowledge_before_sync(self, batch):
             self._failed = "power"
 
 
-def _reuse_at_once(self, record, frees, promise=0):
+def _reuse_at_once(self, record, frees, promise=0, written=()):
     """Journal.append, mis-ordered: the blocks a change frees are reusable at once, before
     the change is durable (the old data may be overwritten while it is still the
     durable version)."""
     for sector, block_size, _ in frees:
         self._space.release([sector], block_size, backed=True)
-    return _append(self, record, [], promise)
+    return _append(self, record, [], promise, written)
 
 
 _append = journal_module.Journal.append
