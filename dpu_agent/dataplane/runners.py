@@ -144,6 +144,26 @@ def _chunks(total: int, step: int) -> list[tuple[int, int]]:
     return [(offset, min(step, total - offset)) for offset in range(0, total, step)]
 
 
+def _source_chunks(job: JobRecord, buffers: list[Buffer]) -> list[tuple[int, int]]:
+    """The source's chunks: a buffer each, or one for an inline source used in place."""
+    total = job.source.length
+    return _chunks(total, buffers[0].size if buffers else total)
+
+
+def _source(
+    job: JobRecord, buffers: list[Buffer], offset: int, size: int
+) -> Generator[Op, Any, memoryview]:
+    """The source's bytes at `offset`: READ into the job's buffer, or inline ones in place.
+
+    A job without a buffer is an inline one of `BUFFERLESS_INLINE`.
+    """
+    if not buffers:
+        return memoryview(job.inline)[offset : offset + size]
+    buffer, src = buffers[0], job.source
+    yield Read(buffer, 0, size, src.addr + offset, src.rkey)
+    return buffer.view[:size]
+
+
 def copy(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runner:
     """READ the source chunk by chunk, WRITE each chunk to the destination."""
     buffer = buffers[0]
@@ -158,17 +178,10 @@ def copy(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runne
 
 def crc32c(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runner:
     """CRC-32C of the source; the result in the low 32 bits."""
-    if job.inline:  # at most MAX_INLINE bytes: computed here, on the reactor
-        job.bytes_read = len(job.inline)
-        job.result = compute.crc32c(job.inline, 0)
-        return
-    buffer = buffers[0]
-    src = job.source
     crc = 0
-    for offset, size in _chunks(src.length, buffer.size):
-        yield Read(buffer, 0, size, src.addr + offset, src.rkey)
+    for offset, size in _source_chunks(job, buffers):
+        view = yield from _source(job, buffers, offset, size)
         job.bytes_read += size
-        view = buffer.view[:size]
         if size <= INLINE_BYTES:
             crc = compute.crc32c(view, crc)
         else:
@@ -253,24 +266,11 @@ def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> 
 def volume_write(job: JobRecord, buffers: list[Buffer], store: Storage | None) -> Runner:
     """READ the source chunk by chunk into the volume at `offset`; FUA: then durable."""
     storage = _require(store)
-    if job.inline:  # one chunk, already here
-        size = len(job.inline)
-        yield from _throttle(storage, job, "write", size)
-        job.bytes_read = size
-        view = memoryview(job.inline)
-        if job.fua:
-            write = _bind_write(storage, job.volume_id, job.offset, view, fua=True)
-            yield Io(write, blocking=True)
-        else:
-            yield BatchWrite(job.volume_id, job.offset, view)
-        return
-    buffer = buffers[0]
     src = job.source
-    for offset, size in _chunks(src.length, buffer.size):
+    for offset, size in _source_chunks(job, buffers):
         yield from _throttle(storage, job, "write", size)
-        yield Read(buffer, 0, size, src.addr + offset, src.rkey)
+        view = yield from _source(job, buffers, offset, size)
         job.bytes_read += size
-        view = buffer.view[:size]
         last_fua = job.fua and offset + size == src.length
         if last_fua or size > INLINE_BYTES:
             yield Io(
