@@ -174,6 +174,8 @@ class FrameStream:
     def receive(self, budget: int = 1 << 20) -> int:
         """Read what the socket has (about `budget` bytes at most); return frames handled.
 
+        A read shorter than the room offered means the socket is drained: it returns
+        then, and the caller's level-triggered readiness wait reports what comes next.
         Raises PeerClosed at end of stream, TransportError on a socket error or a frame
         the handler refuses.
         """
@@ -181,6 +183,7 @@ class FrameStream:
         received = 0
         while received < budget:
             if self._target is not None and self._got < len(self._target) and not self._buffered:
+                want = len(self._target) - self._got
                 n = self._recv_into(self._target[self._got :])  # large payload: no copy
                 if n is None:
                     return frames
@@ -188,6 +191,8 @@ class FrameStream:
                 self._got += n
                 if self._got == len(self._target):
                     frames += self._finish_payload()
+                if n < want:  # drained: the caller's readiness wait reports what comes next
+                    return frames
                 continue
             if self._start == self._end:
                 self._start = self._end = 0
@@ -195,12 +200,15 @@ class FrameStream:
                 tail = self._end - self._start
                 self._rx[:tail] = self._rx[self._start : self._end]
                 self._start, self._end = 0, tail
+            want = len(self._rx) - self._end
             n = self._recv_into(self._rxv[self._end :])
             if n is None:
                 return frames
             received += n
             self._end += n
             frames += self._parse()
+            if n < want:  # drained (saves a recv that fails with EAGAIN, and its exception)
+                return frames
         return frames
 
     @property

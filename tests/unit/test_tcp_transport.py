@@ -351,3 +351,65 @@ async def test_the_agent_writes_its_capsules_out_every_four_within_a_pass():
         assert calls == [8, 8, 4]  # a header and a payload per capsule
         await agent.close()
         await host.close()
+
+
+class _CountingRecvs:
+    """A socket that records what each recv_into returned (a size, or "EAGAIN")."""
+
+    def __init__(self, sock: socket.socket, calls: list[int | str]) -> None:
+        self._sock = sock
+        self._calls = calls
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+    def recv_into(self, view: memoryview) -> int:
+        try:
+            n = self._sock.recv_into(view)
+        except BlockingIOError:
+            self._calls.append("EAGAIN")
+            raise
+        self._calls.append(n)
+        return n
+
+
+async def test_a_short_read_ends_the_receive_without_an_empty_read():
+    """A read that returns less than the room offered drained the socket: the link waits
+    for readiness again instead of reading once more into EAGAIN (an exception each)."""
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        link = agent.link
+        assert isinstance(link, tcp.TcpAgentLink)
+        calls: list[int | str] = []
+
+        def count() -> None:
+            link._stream.sock = _CountingRecvs(link._stream.sock, calls)  # type: ignore[assignment]
+
+        await r.call_async(count)
+        for i in range(20):
+            host.send(b"capsule %d" % i)
+            assert await agent.recv() == b"capsule %d" % i
+        assert calls
+        assert "EAGAIN" not in calls
+        await agent.close()
+        await host.close()
+
+
+async def test_a_frame_that_arrives_in_pieces_is_read_whole():
+    """Short reads end a receive; the rest of a frame, header or payload, comes with the
+    socket's next readiness."""
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        link = host.link
+        assert isinstance(link, tcp.TcpHostLink)
+        assert link._stream is not None
+        capsule = os.urandom(200)  # a link without inline sources takes 256 at most
+        frame = tcp.pack(tcp.FrameType.CAPSULE, length=len(capsule)) + capsule
+        for cut in (3, 20, 40, 100, len(frame) - 1):
+            link._stream.sock.sendall(frame[:cut])
+            await asyncio.sleep(0.02)  # the agent reads the piece on its own
+            link._stream.sock.sendall(frame[cut:])
+            assert await agent.recv() == capsule
+        await agent.close()
+        await host.close()
+
