@@ -413,3 +413,18 @@ async def test_a_frame_that_arrives_in_pieces_is_read_whole():
         await agent.close()
         await host.close()
 
+
+async def test_a_pass_that_finishes_a_send_needs_no_further_pass():
+    """A capsule sent with a token is reported done in the pass that sent it (tcp knows
+    once the bytes went to the kernel), not in one more pass of the reactor."""
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        await agent.send(b"warm-up")
+        assert await host.recv() == b"warm-up"
+        before = r.passes
+        for i in range(20):
+            await agent.send(b"capsule %d" % i)
+            assert await host.recv() == b"capsule %d" % i
+        assert r.passes - before <= 20 + 3  # one pass per send (and a stray timer or two)
+        await agent.close()
+        await host.close()
