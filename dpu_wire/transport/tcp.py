@@ -321,13 +321,7 @@ class FrameStream:
         """Write what the socket takes now; True when nothing is left queued."""
         tx = self._tx
         while tx:
-            batch: list[memoryview] = []
-            size = 0
-            for view in tx:
-                batch.append(view)
-                size += len(view)
-                if len(batch) >= _IOV_MAX or size >= _SEND_CHUNK:
-                    break
+            batch, size = self._next_batch()
             try:
                 n = self.sock.sendmsg(batch)
             except (BlockingIOError, InterruptedError):
@@ -335,21 +329,43 @@ class FrameStream:
             except OSError as exc:
                 raise TransportError(f"tcp data plane send failed: {exc}") from exc
             self._sent += n
-            left = n
-            while left:
-                head = tx[0]
-                if left >= len(head):
-                    left -= len(head)
-                    tx.popleft()
-                else:
-                    tx[0] = head[left:]
-                    left = 0
+            if n == size and len(batch) == len(tx):
+                tx.clear()
+            else:
+                self._drop_sent(n)
             callbacks = self._tx_callbacks
             while callbacks and callbacks[0][0] <= self._sent:
                 callbacks.popleft()[1]()
             if n < size:
                 return False  # the socket's buffer is full
         return True
+
+    def _next_batch(self) -> tuple[list[memoryview], int]:
+        """The queued buffers for one sendmsg, and their bytes."""
+        tx = self._tx
+        size = self._queued - self._sent  # the bytes tx holds
+        if len(tx) <= _IOV_MAX and size <= _SEND_CHUNK:  # the usual case: all of it
+            return list(tx), size
+        batch: list[memoryview] = []
+        size = 0
+        for view in tx:
+            batch.append(view)
+            size += len(view)
+            if len(batch) >= _IOV_MAX or size >= _SEND_CHUNK:
+                break
+        return batch, size
+
+    def _drop_sent(self, n: int) -> None:
+        """Take the first `n` bytes off the queue (a buffer may be cut)."""
+        tx = self._tx
+        while n:
+            head = tx[0]
+            if n >= len(head):
+                n -= len(head)
+                tx.popleft()
+            else:
+                tx[0] = head[n:]
+                n = 0
 
     def close(self) -> None:
         """Close the socket; queued bytes are dropped."""

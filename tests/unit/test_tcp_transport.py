@@ -5,6 +5,7 @@ loop, as in the agent and the SDK.
 """
 
 import asyncio
+import functools
 import os
 import socket
 import struct
@@ -428,3 +429,55 @@ async def test_a_pass_that_finishes_a_send_needs_no_further_pass():
         assert r.passes - before <= 20 + 3  # one pass per send (and a stray timer or two)
         await agent.close()
         await host.close()
+
+
+class _ShortSends:
+    """A socket whose sendmsg takes at most `limit` bytes, as a full kernel buffer does."""
+
+    def __init__(self, sock: socket.socket, limit: int) -> None:
+        self._sock = sock
+        self.limit = limit
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        out, room = [], self.limit
+        for buffer in buffers:
+            if not room:
+                break
+            out.append(buffer[:room])
+            room -= len(out[-1])
+        return self._sock.sendmsg(out)
+
+
+@pytest.mark.parametrize("limit", [1, 7, 100, 5000, 1 << 20])
+async def test_short_sends_resume_where_they_stopped(limit):
+    """Whatever each sendmsg takes, the bytes leave whole and in order, and each frame's
+    `sent` callback runs once its last byte went, not before."""
+    mine, peer = socket.socketpair()
+    stream = tcp.FrameStream(mine, None)  # type: ignore[arg-type]  # sends only
+    stream.sock = _ShortSends(mine, limit)  # type: ignore[assignment]
+    frames = [
+        (tcp.pack(tcp.FrameType.CAPSULE, length=len(p)), p)
+        for p in (b"a" * 10, b"", os.urandom(3000), b"b" * 70, os.urandom(9000))
+    ]
+    sent_at: list[int] = []
+    expected = b""
+    for header, payload in frames:
+        expected += header + payload
+        stream.queue(header, payload or None, functools.partial(sent_at.append, len(expected)))
+    received = b""
+    while not stream.flush():
+        received += peer.recv(1 << 20)
+        # a callback only for frames whose bytes all went out
+        assert all(end <= len(received) for end in sent_at)
+    peer.setblocking(False)
+    while len(received) < len(expected):
+        received += peer.recv(1 << 20)
+    assert received == expected
+    assert sent_at == sorted(sent_at)
+    assert len(sent_at) == len(frames)
+    assert not stream.wants_write
+    mine.close()
+    peer.close()
