@@ -25,6 +25,7 @@ from dpu_wire.jobkinds import BY_FIELD, CODECS, COMPUTE_KINDS, FLAG_FUA, KINDS, 
 from dpu_wire.transport.base import Access, OutCapsule, TransportError
 from dpu_wire.v1 import agent_pb2, common_pb2, job_pb2, session_pb2
 from host_client._completion import Completion
+from host_client._credits import Credits
 from host_client._errors import (
     DpuError,
     FailedPreconditionError,
@@ -186,7 +187,7 @@ class Session:
         self.name = ""
         self.transport = ""
         self.request_id = ""  # the OpenSession call's x-request-id
-        self._credits = asyncio.Semaphore(queue_depth)
+        self._credits = Credits(queue_depth)
         self._ids = itertools.count(1)
         # job id -> (future, crc32c result?) of capsule and SubmitJob jobs in flight
         self._pending: dict[int, tuple[asyncio.Future[Completion], bool]] = {}
@@ -419,12 +420,13 @@ class Session:
         slots, pending = self._credits, self._pending
         inline_max = self.inline_max
         for request in requests:
-            if slots.locked() and batch:
-                self._send(batch)
-                batch = []
-            await slots.acquire()
+            if not slots.try_take():
+                if batch:  # send what has credits before waiting for more
+                    self._send(batch)
+                    batch = []
+                await slots.take()
             if self.error is not None:
-                slots.release()
+                slots.give()
                 raise self.error
             job_id = next(self._ids)
             future: asyncio.Future[Completion] = loop.create_future()
@@ -449,7 +451,7 @@ class Session:
                 batch.append(submit if inline is None else (submit, inline))
             except ValueError as exc:
                 del pending[job_id]
-                slots.release()
+                slots.give()
                 raise InvalidArgumentError("INVALID_ARGUMENT", str(exc)) from None
             jobs.append(Job(job_id, request.kind, future))
         if batch:
@@ -544,7 +546,7 @@ class Session:
             raise InvalidArgumentError("INVALID_ARGUMENT", "the JobSpec names no job kind")
         if row.volume:
             await self.attach(getattr(spec, kind).volume)
-        await self._credits.acquire()
+        await self._credits.take()
         try:
             reply: job_pb2.Job = await self._rpc.call(
                 self._rpc.stubs.jobs.SubmitJob,
@@ -554,15 +556,15 @@ class Session:
                 request_id=rid,
             )
         except BaseException:
-            self._credits.release()
+            self._credits.give()
             raise
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         early = self._early.pop(reply.job_id, None)
         if early is not None:
-            self._credits.release()
+            self._credits.give()
             future.set_result(early)
         elif self.error is not None or self._closed:  # failed or closed during SubmitJob:
-            self._credits.release()  # no completion will come, and nothing fails it later
+            self._credits.give()  # no completion will come, and nothing fails it later
             future.set_exception(
                 self.error or UnavailableError("CANCELLED", "session closed by the client")
             )
@@ -670,7 +672,7 @@ class Session:
             log.warning("completion for unknown job %d: %s", f[0], f[9])
             return
         future, crc = entry
-        self._credits.release()
+        self._credits.give()
         self._cancelled.discard(f[0])
         if not future.done():
             future.set_result(Completion.from_fields(f, crc32c_job=crc))
@@ -690,7 +692,7 @@ class Session:
                 if entry is None:
                     self._early[message.job_id] = completion
                     continue
-                self._credits.release()
+                self._credits.give()
                 if not entry[0].done():
                     entry[0].set_result(completion)
         except grpc.aio.AioRpcError as exc:

@@ -290,7 +290,7 @@ async def exchange(
         future = None
         if answer is not None:
             future = loop.create_future()
-            await session._credits.acquire()
+            await session._credits.take()
             session._pending[answer] = (future, False)
         futures.append(future)
         session._link.send([data])

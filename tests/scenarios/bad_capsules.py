@@ -24,7 +24,7 @@ async def raw_submit(session: host_client.Session, data: bytes) -> host_client.C
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     session._pending[job_id] = (future, False)
-    await session._credits.acquire()
+    await session._credits.take()
     session._link.send([data])
     return await asyncio.wait_for(future, 30)
 

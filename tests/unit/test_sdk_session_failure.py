@@ -51,6 +51,6 @@ async def test_a_job_answered_after_the_session_failed_fails_too():
         with pytest.raises(UnavailableError, match="watch stream lost"):
             await asyncio.wait_for(outcome(), 5)
         assert session.failed
-        assert session._credits._value == QUEUE_DEPTH, "the job's queue credit leaked"
+        assert session._credits.free == QUEUE_DEPTH, "the job's queue credit leaked"
     finally:
         await transport.close()
