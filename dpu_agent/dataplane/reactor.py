@@ -12,9 +12,10 @@ and runs a loop:
    which advances its jobs and posts their next operations right away;
 4. run due timers (deadlines, QoS waits);
 5. give every session touched in this pass one call to finish the pass (flush the
-   link, publish the jobs that finished), and cool down idle verbs links: a link with
-   nothing in flight and no activity for `spin` seconds is armed (its completion
-   channel will wake the loop) and no longer polled.
+   link, publish the jobs that finished; a tcp link's owner gets another call at once
+   if that flush finished sends it waits on, so its pass ends here), and cool down idle
+   verbs links: a link with nothing in flight and no activity for `spin` seconds is
+   armed (its completion channel will wake the loop) and no longer polled.
 
 Adaptive polling, then: a verbs link is polled continuously while work is in flight and
 for `spin` seconds after, and sleeps on its completion channel otherwise (`spin` 0 is
