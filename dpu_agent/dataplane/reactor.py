@@ -136,9 +136,11 @@ class Reactor:
         self._sleeping = False
         self._timers: list[tuple[float, int, Timer]] = []
         self._timer_seq = itertools.count()
-        self._entries: dict[int, _Entry] = {}  # by descriptor
+        self._entries: dict[int, _Entry] = {}  # by descriptor, for epoll's events
+        # by link: a failed tcp link closed its socket, and its descriptor reads -1
+        self._by_link: dict[AgentLink, _Entry] = {}
         self._hot: list[_Entry] = []
-        self._touched: dict[int, _Entry] = {}  # by descriptor: entries to finish this pass
+        self._touched: dict[_Entry, None] = {}  # entries to finish this pass, in order
         self._compute = concurrent.futures.ThreadPoolExecutor(
             compute_workers, thread_name_prefix="dataplane-compute"
         )
@@ -208,6 +210,7 @@ class Reactor:
         fd = link.fileno()
         entry = _Entry(link, owner, fd, polls=link.needs_polling, last=time.monotonic())
         self._entries[fd] = entry
+        self._by_link[link] = entry
         self._epoll.register(fd, _EPOLLIN)
         self._hot.append(entry)
         if self._overdue_timer is None:
@@ -215,22 +218,23 @@ class Reactor:
 
     def remove(self, link: AgentLink) -> None:
         """Stop driving a link (the caller closes it)."""
-        fd = link.fileno()
-        entry = self._entries.pop(fd, None)
+        entry = self._by_link.pop(link, None)
         if entry is None:
             return
         entry.removed = True  # dropped from the hot list at the end of the pass
-        self._touched.pop(fd, None)
-        with contextlib.suppress(OSError, ValueError):
-            self._epoll.unregister(fd)
+        self._touched.pop(entry, None)
+        if self._entries.get(entry.fd) is entry:  # not a newer link's reused descriptor
+            del self._entries[entry.fd]
+            with contextlib.suppress(OSError, ValueError):
+                self._epoll.unregister(entry.fd)
 
     def wake(self, link: AgentLink) -> None:
         """Work was posted on `link`: poll it, and finish its owner's pass."""
-        entry = self._entries.get(link.fileno())
-        if entry is None or entry.link is not link:
+        entry = self._by_link.get(link)
+        if entry is None:
             return
         entry.last = time.monotonic()
-        self._touched[entry.fd] = entry
+        self._touched[entry] = None
         if not entry.hot:
             entry.hot = True
             self._hot.append(entry)
@@ -320,7 +324,7 @@ class Reactor:
             entry = entries.get(fd)
             if entry is None:
                 continue
-            touched[fd] = entry
+            touched[entry] = None
             if mask & _EPOLLOUT:
                 entry.link.flush()
             if mask & ~_EPOLLOUT:
@@ -349,10 +353,10 @@ class Reactor:
             link = entry.link
             if link.poll(entry.owner.sink, POLL_BUDGET):
                 entry.last = now
-                touched[entry.fd] = entry
+                touched[entry] = None
                 found = True
             if link.error is not None:
-                touched[entry.fd] = entry
+                touched[entry] = None
         return found
 
     def _run_timers(self) -> None:
@@ -371,7 +375,7 @@ class Reactor:
 
     def _finish_pass(self) -> None:
         touched, self._touched = self._touched, {}
-        for entry in touched.values():
+        for entry in touched:
             if entry.removed:
                 continue
             link = entry.link
@@ -380,7 +384,7 @@ class Reactor:
                     link.poll(entry.owner.sink, POLL_BUDGET)  # report what the failure ended
                     entry.owner.link_failed()
                 entry.owner.end_pass()
-                if not entry.polls:
+                if not entry.polls and link.error is None:
                     self._settle(entry)
             except Exception:
                 log.exception("finishing a data-plane pass failed")
@@ -405,13 +409,14 @@ class Reactor:
             if entry.removed:
                 return
             if link.error is not None:
-                self._touched[entry.fd] = entry  # the next pass reports the failure
+                self._touched[entry] = None  # the next pass reports the failure (once)
                 return
-            self._touched.pop(entry.fd, None)
+            self._touched.pop(entry, None)
             if link.arm(owner.sink):
                 return
             owner.end_pass()
-        self._touched[entry.fd] = entry  # still busy: one more pass
+        if not entry.removed:
+            self._touched[entry] = None  # still busy: one more pass
 
     @staticmethod
     def _gone(entry: _Entry) -> bool:
@@ -445,7 +450,7 @@ class Reactor:
                     continue
                 if not link.arm(entry.owner.sink):  # a capsule slipped in: handled, go on
                     entry.last = now
-                    self._touched[entry.fd] = entry
+                    self._touched[entry] = None
                     keep.append(entry)
                     continue
             entry.hot = False
@@ -455,11 +460,11 @@ class Reactor:
     def _check_overdue(self) -> None:
         """Once a second: fail tcp links whose host left a request unanswered too long."""
         now = time.monotonic()
-        for entry in list(self._entries.values()):
+        for entry in list(self._by_link.values()):
             if entry.link.error is None and entry.link.overdue(now):
-                self._touched[entry.fd] = entry
+                self._touched[entry] = None
         self._overdue_timer = (
-            self.call_later(MAX_WAIT, self._check_overdue) if self._entries else None
+            self.call_later(MAX_WAIT, self._check_overdue) if self._by_link else None
         )
 
 

@@ -676,7 +676,9 @@ class TcpAgentLink(AgentLink, FrameHandler):
 
     def _fail(self, error: TransportError) -> TransportError:
         if self.error is None:
-            self.error = error
+            # kept without its traceback, whose frames (and all they hold) would
+            # otherwise live as long as the link
+            self.error = error.with_traceback(None)
             log.warning("tcp data plane failed: %s", error)
             self._stream.close()
         return self.error

@@ -481,3 +481,26 @@ async def test_short_sends_resume_where_they_stopped(limit):
     assert not stream.wants_write
     mine.close()
     peer.close()
+
+
+async def test_a_failed_link_leaves_the_reactor_when_removed():
+    """A link that failed closed its socket, so its descriptor reads -1: removing it must
+    still find its entry, or the reactor keeps it (and what it holds) and, once its
+    failure is reported, goes on finishing its pass on every pass."""
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        await agent.send(b"warm-up")
+        assert await host.recv() == b"warm-up"
+        await host.close()
+        with pytest.raises(PeerClosed):
+            await agent.recv()
+        assert agent.link.fileno() == -1
+        await agent.close()
+
+        def left() -> tuple[int, int, int]:
+            return len(r._entries), len(r._touched), len(r._hot)
+
+        assert await r.call_async(left) == (0, 0, 0)
+        before = r.passes
+        await asyncio.sleep(0.2)
+        assert r.passes - before <= 5  # asleep (it wakes once a second), not spinning
