@@ -63,6 +63,20 @@ _REMOTE_READ: Final = Access.REMOTE_READ.value
 class TransportError(Exception):
     """The data plane failed; the session cannot continue (QP in error, peer gone)."""
 
+    def detached(self) -> Self:
+        """This error without tracebacks (its own, its cause's and context's), to keep.
+
+        A link keeps its error as long as it lives; a traceback would keep its frames,
+        and through them whatever they referred to (buffers, other sessions), as long.
+        """
+        seen: set[int] = set()
+        error: BaseException | None = self
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            error.__traceback__ = None
+            error = error.__cause__ or error.__context__
+        return self
+
 
 class PeerClosed(TransportError):
     """The peer closed its end of the link (its process exited, or it closed the link)."""

@@ -676,9 +676,7 @@ class TcpAgentLink(AgentLink, FrameHandler):
 
     def _fail(self, error: TransportError) -> TransportError:
         if self.error is None:
-            # kept without its traceback, whose frames (and all they hold) would
-            # otherwise live as long as the link
-            self.error = error.with_traceback(None)
+            self.error = error.detached()
             log.warning("tcp data plane failed: %s", error)
             self._stream.close()
         return self.error
@@ -932,7 +930,7 @@ class TcpHostLink(HostLink, FrameHandler):
     def _fail(self, error: TransportError) -> None:
         if self.error is not None:
             return
-        self.error = error
+        self.error = error.detached()
         if self._stream is not None and self._loop is not None:
             fd = self._stream.sock.fileno()
             if fd >= 0:

@@ -845,7 +845,7 @@ class _QueuePair:
         """
         if self.error is not None:
             return
-        self.error = error.with_traceback(None)  # its frames would live as long as the link
+        self.error = error.detached()
         if not self._closed:
             log.warning("verbs data plane failed: %s", error)
         if first is not None:

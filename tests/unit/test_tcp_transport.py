@@ -504,3 +504,22 @@ async def test_a_failed_link_leaves_the_reactor_when_removed():
         before = r.passes
         await asyncio.sleep(0.2)
         assert r.passes - before <= 5  # asleep (it wakes once a second), not spinning
+
+
+async def test_a_kept_error_holds_no_frames():
+    """`detached` clears the tracebacks of an error and of what caused it: a link keeps
+    its error for its life, and a traceback would keep every frame it passes through."""
+
+    def fail() -> None:
+        try:
+            raise ConnectionResetError(104, "reset")
+        except OSError as exc:
+            raise PeerClosed("reset by the peer") from exc
+
+    with pytest.raises(PeerClosed) as caught:
+        fail()
+    error = caught.value
+    chain = [error, error.__cause__]
+    assert all(e is not None and e.__traceback__ is not None for e in chain)
+    assert error.detached() is error
+    assert [e.__traceback__ for e in chain if e is not None] == [None, None]
