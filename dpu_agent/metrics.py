@@ -30,6 +30,13 @@ with the agent):
     jobs_in_flight                             gauge: admitted, not finished
     job_slots                                  gauge: queue slots of the open sessions
     sessions_open{transport}                   gauge: sessions the agent holds
+    dataplane_links                            gauge: links the data-plane reactor
+                                               drives (one per session whose data
+                                               plane is up; more means a leak)
+    reactor_passes_total                       passes of the reactor's loop: about one
+                                               a second when idle, one per wake-up
+                                               under load (a rate far above the job
+                                               rate on an idle agent means it spins)
     sessions_opened_total{transport}
     sessions_closed_total{reason}              closed (CloseSession); orphaned: the
                                                host is gone (no host watched it for
@@ -343,12 +350,19 @@ class _StateCollector(Collector):
         )
         for name, count in sorted(open_by.items()):
             sessions.add_metric([name], count)
+        links, passes = manager.reactor_load()
         return [
             sessions,
             GaugeMetricFamily(
                 f"{PREFIX}_jobs_in_flight", "Jobs admitted and not finished", value=in_flight
             ),
             GaugeMetricFamily(f"{PREFIX}_job_slots", "Queue slots of the open sessions", slots),
+            GaugeMetricFamily(
+                f"{PREFIX}_dataplane_links", "Data-plane links the reactor drives", value=links
+            ),
+            CounterMetricFamily(
+                f"{PREFIX}_reactor_passes", "Passes of the data-plane reactor's loop", passes
+            ),
         ]
 
     def _events(self) -> list[Metric]:

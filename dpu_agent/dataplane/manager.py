@@ -332,6 +332,10 @@ class SessionManager:
         """Every session."""
         return list(self._sessions.values())
 
+    def reactor_load(self) -> tuple[int, int]:
+        """(links the data-plane reactor drives, passes it has made): for the metrics."""
+        return self._reactor.links, self._reactor.passes
+
     def telemetry(self) -> dict[str, object]:
         """How many sessions, by state, and their open jobs and counters (a snapshot).
 

@@ -199,6 +199,11 @@ class Reactor:
         return future
 
     @property
+    def links(self) -> int:
+        """How many links the loop drives (any thread may read it)."""
+        return len(self._by_link)
+
+    @property
     def in_thread(self) -> bool:
         """Whether the caller runs on the reactor thread."""
         return threading.current_thread() is self._thread

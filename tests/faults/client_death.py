@@ -72,7 +72,7 @@ async def agent_frees_a_killed_hosts_sessions(
 
             await until(forgotten, "the agent to forget the killed host's sessions", 60)
             after = scrape(metrics_address)
-            for gauge in ("sessions_open", "jobs_in_flight", "job_slots"):
+            for gauge in ("sessions_open", "jobs_in_flight", "job_slots", "dataplane_links"):
                 assert metric(after, f"dpu_agent_{gauge}") == 0, gauge
             closed = {
                 reason: metric(after, "dpu_agent_sessions_closed_total", reason=reason)

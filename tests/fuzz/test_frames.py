@@ -4,8 +4,9 @@
 frames, wrong answer types and ids, refusals, stalls mid-frame, resets), each on a
 session of its own, against an agent of its own. Each script checks what the spec
 promises it (frames.py). After the run the agent must still serve, and be back where it
-started: sessions and job slots at zero, resident memory and threads about where they
-were after the warm-up, and another client's GetAgentInfo latency (measured from a
+started: sessions, job slots and the reactor's links at zero, the reactor asleep (a
+few passes in two idle seconds), resident memory and threads about where they were
+after the warm-up, and another client's GetAgentInfo latency (measured from a
 process of its own, idle before the run, during it and after it) not far from its idle
 figure. The figures are printed in the fuzz summary (`pytest -rA` or the terminal
 summary), the bounds asserted are generous: the issue's bar is p99 within 5x idle.
@@ -19,6 +20,7 @@ import asyncio
 import gc
 import itertools
 import socket
+import time
 import urllib.request
 from pathlib import Path
 from typing import Final
@@ -62,6 +64,8 @@ RSS_GROWTH_MAX: Final = 64 << 20
 THREADS_GROWTH_MAX: Final = 8  # thread pools that reach their size late (getaddrinfo: 6)
 DURING_P99_MAX: Final = 40.0  # x the idle p99, with a noisy neighbour (this process) on 2 cores
 AFTER_P99_MAX: Final = 10.0
+IDLE_S: Final = 2.0  # the reactor, with no session left, sleeps up to a second at a time
+IDLE_PASSES_MAX: Final = 20  # a spinning reactor makes thousands of passes a second
 
 
 def _free_port() -> int:
@@ -109,6 +113,8 @@ def gauges(agent: AgentProcess) -> dict[str, float]:  # noqa: ARG001 - its METRI
         "sessions": metrics.get('dpu_agent_sessions_open{transport="tcp"}', 0.0),
         "slots": metrics.get("dpu_agent_job_slots", 0.0),
         "in_flight": metrics.get("dpu_agent_jobs_in_flight", 0.0),
+        "links": metrics.get("dpu_agent_dataplane_links", 0.0),
+        "passes": metrics.get("dpu_agent_reactor_passes_total", 0.0),
     }
 
 
@@ -119,7 +125,9 @@ async def settle(stubs: Stubs, agent: AgentProcess) -> dict[str, float]:
         if not listed.sessions and gauges(agent)["sessions"] == 0:
             break
         await asyncio.sleep(0.05)
-    return gauges(agent)
+    left = gauges(agent)
+    del left["passes"]
+    return left
 
 
 def test_hostile_tcp_hosts_cannot_hurt_the_agent(fuzz_loop, frame_agent: AgentProcess):
@@ -175,6 +183,9 @@ def test_hostile_tcp_hosts_cannot_hurt_the_agent(fuzz_loop, frame_agent: AgentPr
     left = fuzz_loop.run(settle(stubs, frame_agent))
     after = measure(frame_agent.address, SAMPLES)
     now = status(frame_agent.proc.pid)
+    passes = gauges(frame_agent)["passes"]
+    time.sleep(IDLE_S)
+    idle_passes = gauges(frame_agent)["passes"] - passes
     fuzz_loop.run(stubs.channel.close(None))
     figures = {
         "cases": sum(outcomes.values()),
@@ -188,6 +199,7 @@ def test_hostile_tcp_hosts_cannot_hurt_the_agent(fuzz_loop, frame_agent: AgentPr
         "during_p99_ms": percentile(during, 0.99) * 1e3,
         "after_p99_ms": percentile(after, 0.99) * 1e3,
         "during_samples": len(during),
+        "idle_reactor_passes": idle_passes,
     }
     figures["during_x_idle"] = figures["during_p99_ms"] / figures["idle_p99_ms"]
     figures["after_x_idle"] = figures["after_p99_ms"] / figures["idle_p99_ms"]
@@ -200,7 +212,8 @@ def test_hostile_tcp_hosts_cannot_hurt_the_agent(fuzz_loop, frame_agent: AgentPr
     check_alive(frame_agent)
     assert figures["cases"] >= CASES, outcomes
     assert {"refused", "failed", "active"} <= outcomes.keys(), outcomes
-    assert left == {"sessions": 0, "slots": 0, "in_flight": 0}, left
+    assert left == {"sessions": 0, "slots": 0, "in_flight": 0, "links": 0}, left
+    assert idle_passes <= IDLE_PASSES_MAX, figures  # asleep, not finishing a dead link's pass
     assert now["rss"] - before["rss"] <= RSS_GROWTH_MAX, figures
     assert now["threads"] - before["threads"] <= THREADS_GROWTH_MAX, figures
     assert figures["during_x_idle"] <= DURING_P99_MAX, figures

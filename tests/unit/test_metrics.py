@@ -170,6 +170,9 @@ async def test_sessions_and_jobs_move_the_gauges_and_counters(manager):
     assert value(m, "dpu_agent_sessions_opened_total", transport="tcp") == 1
     assert value(m, "dpu_agent_job_slots") == 4
     assert value(m, "dpu_agent_jobs_in_flight") == 0
+    await wait_until(lambda: value(m, "dpu_agent_dataplane_links") == 1)  # once connected
+    passes = value(m, "dpu_agent_reactor_passes_total") or 0.0
+    assert passes > 0
 
     region = host.register(10_000, Access.REMOTE_READ)
     region.view[:] = bytes(range(100)) * 100
@@ -187,10 +190,12 @@ async def test_sessions_and_jobs_move_the_gauges_and_counters(manager):
     read = value(m, "dpu_agent_dataplane_bytes_total", direction="read", transport="tcp")
     assert read == 10_000
     assert value(m, "dpu_agent_job_duration_seconds_count", kind="crc32c") == 1
+    assert (value(m, "dpu_agent_reactor_passes_total") or 0.0) > passes
 
     await manager.close(session.name)
     session.unwatch(watcher)
     assert value(m, "dpu_agent_sessions_open", transport="tcp") == 0
+    assert value(m, "dpu_agent_dataplane_links") == 0
     assert value(m, "dpu_agent_sessions_closed_total", reason="closed") == 1
     await host.close()
 
@@ -220,6 +225,7 @@ async def test_a_broken_data_plane_is_counted_and_its_session_closed_as_failed(m
     assert value(m, "dpu_agent_dataplane_errors_total", transport="tcp") == 1
     assert value(m, "dpu_agent_sessions_closed_total", reason="failed") == 1
     assert value(m, "dpu_agent_sessions_closed_total", reason="orphaned") == 0
+    assert value(m, "dpu_agent_dataplane_links") == 0  # its socket closed as it failed
     await host.close()
 
 
@@ -236,6 +242,7 @@ async def test_a_host_that_closes_its_end_is_gone_and_its_session_orphaned(manag
     assert value(m, "dpu_agent_dataplane_errors_total", transport="tcp") == 0  # not an error
     assert value(m, "dpu_agent_sessions_closed_total", reason="orphaned") == 1
     assert value(m, "dpu_agent_sessions_closed_total", reason="failed") == 0
+    assert value(m, "dpu_agent_dataplane_links") == 0
 
 
 @pytest.mark.asyncio

@@ -98,6 +98,7 @@ async def test_qp_forced_to_error_fails_pending_jobs_and_a_new_session_works(
                 assert metric(samples, "dpu_agent_dataplane_errors_total", transport="verbs") == 1
                 assert metric(samples, "dpu_agent_sessions_closed_total", reason="failed") == 1
                 assert metric(samples, "dpu_agent_jobs_in_flight") == 0
+                assert metric(samples, "dpu_agent_dataplane_links") == 0
                 failures = [
                     entry
                     for entry in agent.log_entries()
