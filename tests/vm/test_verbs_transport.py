@@ -248,7 +248,7 @@ async def test_deregistered_region_is_refused(pair):
 async def test_a_refused_access_fails_every_pending_op(pair):
     host, agent = pair
     # 15 x 64 KiB ahead of the refused READ: enough to have operations pending when the
-    # NAK arrives. 15 x 1 MiB in flight once outlasted the RC retry budget (7 x 67 ms)
+    # NAK arrives. 15 x 1 MiB in flight once outlasted the RC retry budget (then 7 x 67 ms)
     # under TCG in CI, so the requester saw IBV_WC_RETRY_EXC_ERR before the NAK.
     size = 64 << 10
     src = host.link.register(size, Access.REMOTE_READ)
@@ -294,7 +294,7 @@ async def test_peer_gone_fails_the_survivor(pair, gone):
         with pytest.raises(TransportError, match="RETRY_EXC"):
             await bounded(host.recv())
         survivor = host
-    assert time.monotonic() - started < 10  # 7 tries x 67 ms, slowed down by emulation
+    assert time.monotonic() - started < 15  # 7 tries x 268 ms, slowed down by emulation
     with pytest.raises(TransportError):
         await bounded(survivor.recv())
 
