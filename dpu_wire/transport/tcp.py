@@ -716,6 +716,8 @@ class TcpHostLink(HostLink, FrameHandler):
         self._on_failure: Callable[[TransportError], None] | None = None
         self._writing = False
         self._corked = False  # a flush is due at the loop's next turn (see send)
+        self._delivered = False  # this receive handed a capsule over (see _readable)
+        self._answered_read = False  # ... and queued a READ_RESP
         self.reads_served = 0  # the agent's READs answered with data (inline sources need none)
         self.error: TransportError | None = None
         self._closed = False
@@ -846,12 +848,21 @@ class TcpHostLink(HostLink, FrameHandler):
         stream = self._stream
         if stream is None or self.error is not None:
             return
+        self._delivered = self._answered_read = False
         try:
             stream.receive()
         except TransportError as exc:
             self._fail(exc)
             return
-        self._flush()
+        if self._answered_read or not self._delivered:
+            self._flush()  # the agent waits on READ answers: at once
+        elif not self._corked:
+            # Only WRITE_ACKs to send, and a capsule (a COMPLETION) was handed over: the
+            # task it wakes runs in this turn of the loop and often sends (its next
+            # SUBMIT). The acks go with that, in one sendmsg, at the next turn.
+            self._corked = True
+            assert self._loop is not None  # noqa: S101 - started
+            self._loop.call_soon(self._uncork)
 
     def _flush(self) -> None:
         stream = self._stream
@@ -898,6 +909,7 @@ class TcpHostLink(HostLink, FrameHandler):
         assert stream is not None  # noqa: S101 - frames come from the stream
         if frame.kind == FrameType.CAPSULE:
             assert payload is not None  # noqa: S101
+            self._delivered = True
             if self._on_capsule is not None:
                 self._on_capsule(payload)
         elif frame.kind == FrameType.READ:
@@ -905,6 +917,7 @@ class TcpHostLink(HostLink, FrameHandler):
             if view is None:
                 self._refuse(FrameType.READ_RESP, frame)
             else:
+                self._answered_read = True
                 self.reads_served += 1
                 stream.queue(pack(FrameType.READ_RESP, 0, frame.req_id, length=len(view)), view)
         elif frame.kind == FrameType.WRITE:

@@ -523,3 +523,32 @@ async def test_a_kept_error_holds_no_frames():
     assert all(e is not None and e.__traceback__ is not None for e in chain)
     assert error.detached() is error
     assert [e.__traceback__ for e in chain if e is not None] == [None, None]
+
+
+async def test_a_write_ack_leaves_with_the_capsule_its_completion_prompts():
+    """A WRITE's ack, received with a COMPLETION, waits for the loop's next turn: the task
+    the COMPLETION woke sends its next SUBMIT meanwhile, and both leave in one sendmsg."""
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        link = host.link
+        assert isinstance(link, tcp.TcpHostLink)
+        assert link._stream is not None
+        region = link.register(4096, Access.REMOTE_WRITE)
+        staging = agent.staging(4096)
+        staging.view[:] = b"x" * 4096
+        calls: list[int] = []
+        link._stream.sock = _CountingSends(link._stream.sock, calls)  # type: ignore[assignment]
+
+        def post() -> None:  # a job's last WRITE and its COMPLETION, in one pass
+            agent.link.post_write(staging, 0, 4096, region.addr, region.rkey, None)
+            agent.link.post_send(b"completion", None)
+            r.wake(agent.link)
+
+        r.call(post)
+        assert await host.recv() == b"completion"
+        assert bytes(region.view) == b"x" * 4096
+        host.send(b"next submit")
+        assert await agent.recv() == b"next submit"
+        assert calls == [3]  # the ack's header, the capsule's header and payload
+        await agent.close()
+        await host.close()
