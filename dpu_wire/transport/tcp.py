@@ -717,7 +717,6 @@ class TcpHostLink(HostLink, FrameHandler):
         self._writing = False
         self._corked = False  # a flush is due at the loop's next turn (see send)
         self._delivered = False  # this receive handed a capsule over (see _readable)
-        self._answered_read = False  # ... and queued a READ_RESP
         self.reads_served = 0  # the agent's READs answered with data (inline sources need none)
         self.error: TransportError | None = None
         self._closed = False
@@ -832,6 +831,10 @@ class TcpHostLink(HostLink, FrameHandler):
         # Capsules sent later in this turn of the loop (by the other tasks a batch of
         # COMPLETIONs woke, say) go out together at the start of the next one: one
         # sendmsg for the burst instead of one each, and the first goes out at once.
+        self._cork()
+
+    def _cork(self) -> None:
+        """Flush at the loop's next turn, with whatever is queued meanwhile."""
         self._corked = True
         assert self._loop is not None  # noqa: S101 - started
         self._loop.call_soon(self._uncork)
@@ -848,21 +851,20 @@ class TcpHostLink(HostLink, FrameHandler):
         stream = self._stream
         if stream is None or self.error is not None:
             return
-        self._delivered = self._answered_read = False
+        self._delivered = False
+        reads = self.reads_served
         try:
             stream.receive()
         except TransportError as exc:
             self._fail(exc)
             return
-        if self._answered_read or not self._delivered:
+        if self.reads_served != reads or not self._delivered:
             self._flush()  # the agent waits on READ answers: at once
         elif not self._corked:
             # Only WRITE_ACKs to send, and a capsule (a COMPLETION) was handed over: the
             # task it wakes runs in this turn of the loop and often sends (its next
             # SUBMIT). The acks go with that, in one sendmsg, at the next turn.
-            self._corked = True
-            assert self._loop is not None  # noqa: S101 - started
-            self._loop.call_soon(self._uncork)
+            self._cork()
 
     def _flush(self) -> None:
         stream = self._stream
@@ -917,7 +919,6 @@ class TcpHostLink(HostLink, FrameHandler):
             if view is None:
                 self._refuse(FrameType.READ_RESP, frame)
             else:
-                self._answered_read = True
                 self.reads_served += 1
                 stream.queue(pack(FrameType.READ_RESP, 0, frame.req_id, length=len(view)), view)
         elif frame.kind == FrameType.WRITE:
