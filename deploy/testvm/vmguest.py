@@ -151,6 +151,7 @@ def stage2_setup(kc: KernelCache, opts: VMOptions) -> str:
     """Shell that loads the modules and brings up two RDMA nodes: rxe0/veth0, rxe1/veth1."""
     agent_ip, host_ip = RXE_ADDR.split("/", maxsplit=1)[0], HOST_RXE_ADDR.split("/", maxsplit=1)[0]
     quiet = "" if opts.verbose else "echo '1 4 1 7' > /proc/sys/kernel/printk\n"
+    rps_mask = format((1 << opts.smp) - 1, "x")  # every CPU of the guest
     return f"""set -u
 fail() {{
     echo "$*" > /run/testvm/error
@@ -169,6 +170,16 @@ ip link set veth0 mtu {VETH_MTU} && ip link set veth1 mtu {VETH_MTU} || fail "ca
 ip addr add {RXE_ADDR} dev veth0 || fail "cannot address veth0"
 ip addr add {HOST_RXE_ADDR} dev veth1 || fail "cannot address veth1"
 ip link set veth0 up && ip link set veth1 up || fail "cannot bring veth0/veth1 up"
+# Receive packet steering on both ends. veth hands a packet to the backlog of the CPU that
+# sent it, and rxe sends a QP's packets from whichever CPU runs its requester, so two
+# CPUs' backlogs delivered one QP's packets out of order. rxe answers a gap with a
+# sequence NAK, counts the retransmission against the QP's retry budget, and a stream of
+# 1 MiB WRITEs spent it: IBV_WC_RETRY_EXC_ERR with both peers alive and no packet lost.
+# RPS hashes each flow (one QP's UDP port pair) to one CPU, so each QP's packets stay
+# in order (docs/performance.md, "Out-of-order packets on the test bed's veth pair").
+for dev in veth0 veth1; do
+    echo {rps_mask} > /sys/class/net/$dev/queues/rx-0/rps_cpus || fail "cannot set RPS on $dev"
+done
 # Both addresses are local, so the kernel would deliver rxe1 -> rxe0 over lo (and 6.1's
 # rxe is not namespace-aware): route each by its output device across the pair instead.
 for dev in all default veth0 veth1; do

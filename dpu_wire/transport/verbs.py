@@ -41,9 +41,10 @@ Differences from the tcp transport (same semantics otherwise):
   responder. The requester retries `retry_cnt=6` times after an ACK timeout of
   4.096 us * 2**16 = 268 ms, so the next SEND, READ or WRITE fails with
   IBV_WC_RETRY_EXC_ERR after 7 * 268 ms = 1.9 s without an answer. (The timeout was
-  67 ms, ibv_rc_pingpong's and perftest's: 0.47 s in all, which a loaded soft-RoCE
-  guest under emulation outlasted twice, with both peers alive, failing a session in
-  the middle of a thousand jobs. NCCL's default is 1.07 s, UCX's 1 s.)
+  67 ms, ibv_rc_pingpong's and perftest's. NCCL's default is 1.07 s, UCX's 1 s.) A
+  retransmission after a sequence NAK counts against the same budget, so a link that
+  reorders one QP's packets can fail a live session: the test VM's veth pair did, until
+  it steered each flow to one CPU (deploy/testvm/vmguest.py).
 - A capsule longer than `MAX_CAPSULE`, a span outside the local region or longer than
   the port's `max_msg_sz` raise ValueError before anything is posted.
 
