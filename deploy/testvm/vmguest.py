@@ -147,11 +147,24 @@ done
 """
 
 
+def cpu_mask(cpus: int) -> str:
+    """The sysfs cpumask of CPUs 0..cpus-1: hex, in comma-separated 32-bit words."""
+    mask = (1 << cpus) - 1
+    words = []  # least significant first
+    while True:
+        words.append(mask & 0xFFFFFFFF)
+        mask >>= 32
+        if not mask:
+            break
+    top, *rest = reversed(words)
+    return ",".join([f"{top:x}", *(f"{word:08x}" for word in rest)])
+
+
 def stage2_setup(kc: KernelCache, opts: VMOptions) -> str:
     """Shell that loads the modules and brings up two RDMA nodes: rxe0/veth0, rxe1/veth1."""
     agent_ip, host_ip = RXE_ADDR.split("/", maxsplit=1)[0], HOST_RXE_ADDR.split("/", maxsplit=1)[0]
     quiet = "" if opts.verbose else "echo '1 4 1 7' > /proc/sys/kernel/printk\n"
-    rps_mask = format((1 << opts.smp) - 1, "x")  # every CPU of the guest
+    rps_mask = cpu_mask(opts.smp)  # every CPU of the guest
     return f"""set -u
 fail() {{
     echo "$*" > /run/testvm/error

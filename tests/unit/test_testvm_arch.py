@@ -6,6 +6,7 @@ these check the parts that decide the guest without booting one.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -131,3 +132,15 @@ def test_cached_kernels_are_kept_apart_by_architecture(tmp_path):
 def test_the_arm64_busybox_is_its_own_not_the_hosts(tmp_path):
     assert kernel("arm64", tmp_path).busybox == tmp_path / "busybox"
     assert kernel("amd64", tmp_path).busybox == Path("/bin/busybox")
+
+
+@pytest.mark.parametrize(
+    ("cpus", "mask"),
+    [(1, "1"), (2, "3"), (32, "ffffffff"), (33, "1,ffffffff"), (70, "3f,ffffffff,ffffffff")],
+)
+def test_stage2_steers_each_flow_to_one_of_every_guest_cpu(cpus, mask, tmp_path):
+    """RPS on both veth ends, its mask in sysfs's 32-bit words (one long word is refused)."""
+    opts = dataclasses.replace(options("amd64", NATIVE_ROOT), smp=cpus)
+    script = vmguest.stage2_script(kernel("amd64", tmp_path), opts)
+    assert f"echo {mask} > /sys/class/net/$dev/queues/rx-0/rps_cpus" in script
+    assert "for dev in veth0 veth1; do\n    echo " in script
