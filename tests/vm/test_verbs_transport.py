@@ -361,8 +361,10 @@ async def test_64_concurrent_reads_and_writes_move_every_byte(pair):
     assert_same_bytes(dst.view, data)
 
 
-def _hw_counter(device, name):
-    return int((Path("/sys/class/infiniband") / device / "ports/1/hw_counters" / name).read_text())
+def _hw_counter(where, name):
+    """A counter of rxe's on `where`'s port (`/sys/class/infiniband/.../hw_counters`)."""
+    path = Path("/sys/class/infiniband") / where.device / "ports" / str(where.port)
+    return int((path / "hw_counters" / name).read_text())
 
 
 async def test_a_stream_of_large_writes_reaches_the_responder_in_order(rdma_port, host_port):
@@ -377,8 +379,8 @@ async def test_a_stream_of_large_writes_reaches_the_responder_in_order(rdma_port
         dst = host.link.register(count * size, Access.REMOTE_WRITE)
         staging = agent.staging(count * size)
         staging.view[:] = os.urandom(count * size)
-        gaps = _hw_counter(host_port.device, "out_of_seq_request")
-        naks = _hw_counter(rdma_port.device, "rcvd_seq_err")
+        gaps = _hw_counter(host_port, "out_of_seq_request")
+        naks = _hw_counter(rdma_port, "rcvd_seq_err")
         limit = asyncio.Semaphore(2 * QUEUE_DEPTH)  # what the send queue holds
 
         async def write(at):
@@ -387,8 +389,8 @@ async def test_a_stream_of_large_writes_reaches_the_responder_in_order(rdma_port
 
         await bounded(asyncio.gather(*(write(i * size) for i in range(count))))
         assert_same_bytes(dst.view, staging.view)
-        assert _hw_counter(host_port.device, "out_of_seq_request") - gaps == 0
-        assert _hw_counter(rdma_port.device, "rcvd_seq_err") - naks == 0
+        assert _hw_counter(host_port, "out_of_seq_request") - gaps == 0
+        assert _hw_counter(rdma_port, "rcvd_seq_err") - naks == 0
 
 
 LEFT_OPEN = """
