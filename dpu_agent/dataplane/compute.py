@@ -27,6 +27,7 @@ import abc
 import hashlib
 import os
 import sys
+import threading
 from typing import Final
 
 import crc32c as crc32c_lib
@@ -92,11 +93,29 @@ class Transform(abc.ABC):
         """After the last input: its last few bytes (a tag), once the checks passed."""
 
 
+_local = threading.local()
+
+
+def _zstd_compressor() -> zstandard.ZstdCompressor:
+    """This thread's one-shot Zstandard compressor, kept for its next job.
+
+    A compressor's context holds large tables that it zeroes when it is set up. Made
+    afresh for every job, on worker threads that allocate and free in turn, they cost
+    page faults and a memset on top of the compression (perf; docs/performance.md).
+    """
+    found: zstandard.ZstdCompressor | None = getattr(_local, "zstd", None)
+    if found is None:
+        found = _local.zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return found
+
+
 class _Compress(Transform):
     """One frame whose header records the input's size (`total`), as one-shot APIs write.
 
     An input that comes in one chunk is compressed in one call (Zstandard's one-shot
-    API, about 1.7 times faster than its stream for 1 MiB); a longer one is streamed.
+    API, about 1.7 times faster than its stream for 1 MiB) with the worker thread's own
+    compressor; a longer one is streamed with a compressor of its own (its chunks may
+    run on different workers).
     """
 
     def __init__(self, codec: str, total: int) -> None:
@@ -108,7 +127,6 @@ class _Compress(Transform):
             self._lz4 = lz4.frame.LZ4FrameCompressor()
             self._head = bytes(self._lz4.begin(source_size=total))  # the LZ4 frame header
         else:
-            self._zstd_ctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
             self._head = b""
 
     def start(self) -> bytes:
@@ -120,9 +138,10 @@ class _Compress(Transform):
             return out + self._flush() if last else out
         if last and self._zstd is None and len(data) == self._total:
             self._flushed = True
-            return self._zstd_ctx.compress(data)
+            return _zstd_compressor().compress(data)
         if self._zstd is None:
-            self._zstd = self._zstd_ctx.compressobj(size=self._total)
+            ctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+            self._zstd = ctx.compressobj(size=self._total)
         out = bytes(self._zstd.compress(data)) if data else b""
         return out + self._flush() if last else out
 
@@ -133,7 +152,7 @@ class _Compress(Transform):
         if self._codec == "lz4":
             return bytes(self._lz4.flush())
         if self._zstd is None:  # no input at all: an empty frame
-            return self._zstd_ctx.compress(b"")
+            return _zstd_compressor().compress(b"")
         return bytes(self._zstd.flush())
 
     def finish(self) -> bytes:
