@@ -2,7 +2,9 @@
 
 Both run in the same process, against the same agent process, on one channel
 each, sequentially (one call in flight), so the ratio is the SDK's overhead
-(request ids, error mapping) over grpc.aio itself. Figure `GetAgentInfo calls/s`
+(request ids, error mapping) over grpc.aio itself. Five interleaved rounds of each,
+the best of each: single rounds of the same stub moved by 10-20 % on the 2-core
+machine, and the best of three put the ratio anywhere in 0.78-1.08. Figure `GetAgentInfo calls/s`
 (it was `GetAgentInfo sequential calls`).
 """
 
@@ -18,7 +20,7 @@ from bench.common import Result, agent_process, quick, write_results
 from dpu_wire.v1 import agent_pb2, agent_pb2_grpc
 
 CALLS = quick(2000, 200)
-ROUNDS = quick(3, 1)
+ROUNDS = quick(5, 1)
 
 
 async def _sdk_rate(target: str) -> float:
