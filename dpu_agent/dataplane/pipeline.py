@@ -25,6 +25,8 @@ from dpu_agent import status
 from dpu_agent.dataplane.admission import JobRequest, admit
 from dpu_agent.dataplane.jobs import JobRecord, Origin
 from dpu_agent.dataplane.runners import (
+    IMMEDIATE,
+    INLINE_BYTES,
     RUNNERS,
     BatchWrite,
     Io,
@@ -334,6 +336,11 @@ class Pipeline(LinkSink):
     def _start(self, job: JobRecord) -> None:
         self.open[job.job_id] = job
         self.counters.jobs_submitted += 1
+        if job.inline and len(job.inline) <= INLINE_BYTES:
+            now = IMMEDIATE.get(job.kind)
+            if now is not None:
+                self._run_now(job, now)
+                return
         token = self._next_token
         self._next_token = token + 1
         run = _Run(job, token)
@@ -347,6 +354,19 @@ class Pipeline(LinkSink):
             self._staging.take(size, count, lambda buffers: self._launch(run, buffers))
         else:
             self._launch(run, [])
+
+    def _run_now(self, job: JobRecord, run: Callable[[JobRecord], None]) -> None:
+        """Run and end a job that needs no operation (`runners.IMMEDIATE`)."""
+        job.start()
+        try:
+            run(job)
+        except AgentError as exc:
+            self._end(job, None, State.FAILED, status.code_for(exc), str(exc))
+        except Exception:
+            log.exception("job failed unexpectedly", extra={"job": job.job_id})
+            self._end(job, None, State.FAILED, status.INTERNAL, "internal error")
+        else:
+            self._end(job, None, State.SUCCEEDED, status.OK, "")
 
     def _launch(self, run: _Run, buffers: list[Buffer]) -> None:
         job = run.job

@@ -9,15 +9,23 @@ End to end over tcp: tests/integration/test_inline_sources.py.
 from __future__ import annotations
 
 import os
-from typing import cast
+import types
+from typing import TYPE_CHECKING, cast
 
 import crc32c
 import pytest
 
-from dpu_agent.dataplane import runners
+from dpu_agent.dataplane import pipeline, runners
 from dpu_agent.dataplane.jobs import JobRecord, Origin
-from dpu_wire.capsule import Span
-from dpu_wire.jobkinds import JobKind
+from dpu_agent.dataplane.regions import RegionTable
+from dpu_wire import capsule
+from dpu_wire.capsule import Span, State
+from dpu_wire.jobkinds import FLAG_INLINE, JobKind
+
+if TYPE_CHECKING:
+    from dpu_agent.dataplane.reactor import Reactor
+    from dpu_agent.dataplane.staging import Staging
+    from dpu_wire.transport.base import AgentLink
 
 DATA = os.urandom(4096)
 
@@ -87,3 +95,63 @@ def test_an_inline_fua_write_is_one_durable_store_call():
     assert store.writes == [("v", 8192, DATA, True)]
     with pytest.raises(StopIteration):
         gen.send(None)
+
+
+class _Link:
+    """The link side of a pipeline: records the capsules it is asked to send."""
+
+    inline_max = 4096
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def room(self) -> int:
+        return 8
+
+    def post_send(self, capsule: bytes, _token: int | None = None) -> None:
+        self.sent.append(bytes(capsule))
+
+    def flush(self) -> None:
+        pass
+
+
+class _Hooks:
+    """The session side of a pipeline: records the jobs it publishes."""
+
+    def __init__(self) -> None:
+        self.published: list[JobRecord] = []
+
+    def check_accepting(self) -> None:
+        pass
+
+    def finished(self, jobs: list[JobRecord]) -> None:
+        self.published.extend(jobs)
+
+
+def test_an_inline_crc_job_finishes_in_one_call_without_a_runner(monkeypatch):
+    """`runners.IMMEDIATE`: no run, no generator; the same COMPLETION the runner gives."""
+
+    def no_runner(*_args: object) -> None:
+        raise AssertionError("the CRC runner was stepped")
+
+    monkeypatch.setitem(runners.RUNNERS, JobKind.CRC32C, no_runner)
+    link, hooks = _Link(), _Hooks()
+    reactor = types.SimpleNamespace(wake=lambda _link: None, call_later=lambda *_a: None)
+    pipe = pipeline.Pipeline(
+        hooks=cast("pipeline.SessionHooks", hooks),
+        link=cast("AgentLink", link),
+        reactor=cast("Reactor", reactor),
+        staging=cast("Staging", None),
+        regions=RegionTable(),
+        storage=None,
+        queue_depth=4,
+        default_deadline=30.0,
+    )
+    submit = capsule.pack_submit(7, JobKind.CRC32C, Span(0, len(DATA), 0), flags=FLAG_INLINE)
+    pipe.on_capsule(memoryview(submit + DATA))
+    (reply,) = link.sent
+    fields = capsule.completion_fields(reply)
+    assert fields[:6] == (7, State.SUCCEEDED, 0, len(DATA), 0, crc32c.crc32c(DATA))
+    assert not pipe.open
+    pipe.end_pass()
+    assert [job.job_id for job in hooks.published] == [7]
