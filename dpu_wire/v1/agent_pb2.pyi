@@ -28,7 +28,7 @@ class _Transport:
 class _TransportEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transport.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     TRANSPORT_UNSPECIFIED: _Transport.ValueType  # 0
-    """let the agent choose (verbs when a device exists)"""
+    """the kind of host_endpoint decides (OpenSession)"""
     TRANSPORT_VERBS: _Transport.ValueType  # 1
     """RDMA RC queue pairs (pyverbs)"""
     TRANSPORT_TCP: _Transport.ValueType  # 2
@@ -38,7 +38,7 @@ class Transport(_Transport, metaclass=_TransportEnumTypeWrapper):
     """Data-plane transports a session can use."""
 
 TRANSPORT_UNSPECIFIED: Transport.ValueType  # 0
-"""let the agent choose (verbs when a device exists)"""
+"""the kind of host_endpoint decides (OpenSession)"""
 TRANSPORT_VERBS: Transport.ValueType  # 1
 """RDMA RC queue pairs (pyverbs)"""
 TRANSPORT_TCP: Transport.ValueType  # 2
