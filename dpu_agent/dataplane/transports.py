@@ -59,19 +59,25 @@ async def _verbs(
     return link
 
 
-async def _tcp(
+async def _tcp(  # noqa: PLR0913, PLR0917 - a LinkFactory (host, queue_depth, peer) after its settings
     allow: Allow,
     op_timeout: float,
     inline_max: int,
     host: PeerAddress,
-    _queue_depth: int,
+    queue_depth: int,
     peer: str,
 ) -> AgentLink:
     if not isinstance(host, TcpAddress):
         raise TransportError("the tcp transport needs a tcp host endpoint")
     await check_host(host.host, peer, allow)
     sock, token = await tcp.dial(host)
-    return tcp.TcpAgentLink(sock, token, op_timeout=op_timeout, inline_max=inline_max)
+    return tcp.TcpAgentLink(
+        sock,
+        token,
+        op_timeout=op_timeout,
+        inline_max=inline_max,
+        max_unanswered=tcp.max_unanswered(queue_depth),
+    )
 
 
 def factories(config: AgentConfig, devices: Sequence[RdmaDeviceInfo]) -> dict[int, LinkFactory]:

@@ -459,6 +459,11 @@ async def dial(
 # ---------------------------------------------------------------- the agent side
 
 
+def max_unanswered(queue_depth: int) -> int:
+    """The READ and WRITE requests a link may have unanswered at once (DP-3-9)."""
+    return max(1024, 16 * queue_depth)
+
+
 class _Request(NamedTuple):
     kind: int  # FrameType.READ or FrameType.WRITE
     target: memoryview | None  # READ: where the answer goes
@@ -472,7 +477,10 @@ class TcpAgentLink(AgentLink, FrameHandler):
     Made from the socket `dial` returned. An answer must match the type and id of an
     outstanding request (a READ_RESP answers a READ, a WRITE_ACK a WRITE, with the same
     req_id and, for a READ, the same length); anything else ends the link, and so does
-    a refusal. A request unanswered for `op_timeout` seconds ends it too.
+    a refusal. A request unanswered for `op_timeout` seconds ends it too, and so does a
+    request that would make more than `max_unanswered` unanswered at once (a host that
+    submits jobs and answers none of their WRITEs would otherwise make the link keep a
+    record of each until `op_timeout`).
     """
 
     def __init__(
@@ -482,6 +490,7 @@ class TcpAgentLink(AgentLink, FrameHandler):
         *,
         op_timeout: float = OP_TIMEOUT,
         inline_max: int = 0,
+        max_unanswered: int = 1024,
     ) -> None:
         if not 0 <= inline_max <= MAX_INLINE:
             raise ValueError(f"inline_max must be 0..{MAX_INLINE}, not {inline_max}")
@@ -490,6 +499,7 @@ class TcpAgentLink(AgentLink, FrameHandler):
         self._op_timeout = op_timeout
         self._next_req = 1
         self._requests: dict[int, _Request] = {}
+        self._max_unanswered = max_unanswered
         self.inline_max = inline_max
         # one capsule at a time: the longest is an INLINE SUBMIT of inline_max bytes
         self._capsule = bytearray(max(MAX_CAPSULE, SUBMIT_SIZE + inline_max))
@@ -540,6 +550,13 @@ class TcpAgentLink(AgentLink, FrameHandler):
     def _request(self, kind: int, target: memoryview | None, token: int | None) -> int:
         req_id = self._next_req
         self._next_req = (req_id + 1) & 0xFFFF_FFFF or 1
+        if len(self._requests) >= self._max_unanswered:
+            raise self._fail(
+                TransportError(
+                    f"the host left {len(self._requests)} READ and WRITE requests unanswered, "
+                    "the most a link may have"
+                )
+            )
         if req_id in self._requests:  # 2**32 requests behind: the host stopped answering
             raise self._fail(TransportError("request ids wrapped onto an unanswered request"))
         self._requests[req_id] = _Request(kind, target, token, time.monotonic())

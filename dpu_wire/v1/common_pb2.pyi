@@ -6,7 +6,7 @@ Types shared by every dpu.v1 service.
 
 Conventions (Google API style, https://google.aip.dev):
 - Resources are named by a relative resource name, e.g. "volumes/vol-1",
-  "sessions/s-7f3a/jobs/42". IDs match [a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?.
+  "sessions/s-7f3a12c4d5e6/jobs/42". IDs match [a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?.
 - Counters and sizes are 64-bit unsigned.
 - List calls take page_size (0 = server default, capped by the server) and an
   opaque page_token; they return next_page_token ("" on the last page).

@@ -94,8 +94,8 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchCompletions(self, request, context):
-        """Streams one completion event per job of the session, exactly once per
-        stream, in completion order.
+        """Streams one completion event per job of the session (of the origin asked
+        for, if any), exactly once per stream, in completion order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,8 +46,8 @@ class JobServiceStub:
     finished first.
     """
     WatchCompletions: _grpc.UnaryStreamMultiCallable[_job_pb2.WatchCompletionsRequest, _job_pb2.Completion]
-    """Streams one completion event per job of the session, exactly once per
-    stream, in completion order.
+    """Streams one completion event per job of the session (of the origin asked
+    for, if any), exactly once per stream, in completion order.
     """
 
 @_typing.type_check_only
@@ -64,8 +64,8 @@ class JobServiceAsyncStub(JobServiceStub):
     finished first.
     """
     WatchCompletions: _aio.UnaryStreamMultiCallable[_job_pb2.WatchCompletionsRequest, _job_pb2.Completion]  # type: ignore[assignment]
-    """Streams one completion event per job of the session, exactly once per
-    stream, in completion order.
+    """Streams one completion event per job of the session (of the origin asked
+    for, if any), exactly once per stream, in completion order.
     """
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -109,8 +109,8 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _job_pb2.WatchCompletionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_job_pb2.Completion], _abc.AsyncIterator[_job_pb2.Completion]]:
-        """Streams one completion event per job of the session, exactly once per
-        stream, in completion order.
+        """Streams one completion event per job of the session (of the origin asked
+        for, if any), exactly once per stream, in completion order.
         """
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

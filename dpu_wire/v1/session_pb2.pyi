@@ -114,7 +114,7 @@ class VerbsEndpoint(_message.Message):
     psn: _builtins.int
     """24 bits, initial packet sequence number"""
     mtu: _builtins.int
-    """path MTU in bytes (256..4096)"""
+    """the port's active MTU in bytes: 256, 512, 1024, 2048 or 4096"""
     lid: _builtins.int
     """InfiniBand only; 0 on RoCE"""
     def __init__(

@@ -107,7 +107,7 @@ class SessionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Closes a session: pending jobs fail with CANCELLED, the queue pair is
+        """Closes a session: pending jobs end CANCELLED, the queue pair is
         destroyed and every region is forgotten.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

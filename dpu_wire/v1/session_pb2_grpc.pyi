@@ -42,7 +42,7 @@ class SessionServiceStub:
     GetSession: _grpc.UnaryUnaryMultiCallable[_session_pb2.GetSessionRequest, _session_pb2.Session]
     ListSessions: _grpc.UnaryUnaryMultiCallable[_session_pb2.ListSessionsRequest, _session_pb2.ListSessionsResponse]
     CloseSession: _grpc.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]
-    """Closes a session: pending jobs fail with CANCELLED, the queue pair is
+    """Closes a session: pending jobs end CANCELLED, the queue pair is
     destroyed and every region is forgotten.
     """
     AdvertiseRegions: _grpc.UnaryUnaryMultiCallable[_session_pb2.AdvertiseRegionsRequest, _session_pb2.AdvertiseRegionsResponse]
@@ -72,7 +72,7 @@ class SessionServiceAsyncStub(SessionServiceStub):
     GetSession: _aio.UnaryUnaryMultiCallable[_session_pb2.GetSessionRequest, _session_pb2.Session]  # type: ignore[assignment]
     ListSessions: _aio.UnaryUnaryMultiCallable[_session_pb2.ListSessionsRequest, _session_pb2.ListSessionsResponse]  # type: ignore[assignment]
     CloseSession: _aio.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]  # type: ignore[assignment]
-    """Closes a session: pending jobs fail with CANCELLED, the queue pair is
+    """Closes a session: pending jobs end CANCELLED, the queue pair is
     destroyed and every region is forgotten.
     """
     AdvertiseRegions: _aio.UnaryUnaryMultiCallable[_session_pb2.AdvertiseRegionsRequest, _session_pb2.AdvertiseRegionsResponse]  # type: ignore[assignment]
@@ -123,7 +123,7 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _session_pb2.CloseSessionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_session_pb2.CloseSessionResponse, _abc.Awaitable[_session_pb2.CloseSessionResponse]]:
-        """Closes a session: pending jobs fail with CANCELLED, the queue pair is
+        """Closes a session: pending jobs end CANCELLED, the queue pair is
         destroyed and every region is forgotten.
         """
 

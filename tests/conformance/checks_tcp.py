@@ -308,6 +308,25 @@ async def unanswered_requests(ctx: Ctx) -> None:
     assert time.monotonic() - posted < TIMERS["op_timeout"] + PROMPT
 
 
+async def unanswered_requests_bounded(ctx: Ctx) -> None:
+    """DP-3-9: a host that goes on submitting jobs and answers none of their WRITEs."""
+    session = await ctx.open(queue_depth=1)
+    host = _host(session)
+    limit = max(1024, 16 * 1)  # the spec's bound at queue_depth 1
+    host.hold_writes = True
+    dst = await session.region(limit + 1, WRITE)
+    for i in range(limit):  # an inline COPY: its only request is its last WRITE
+        job = session.next_id()
+        await session.send(wire.submit_inline(job, Kind.COPY, b"w", dst.span(i, 1)))
+        assert (await session.completion_for(job)).state == St.SUCCEEDED
+    assert len(host.held_writes) == limit
+    assert (await session.get()).state == session_pb2.SESSION_STATE_ACTIVE, "ended too early"
+    job = session.next_id()
+    await session.send(wire.submit_inline(job, Kind.COPY, b"w", dst.span(limit, 1)))
+    await _ended(session)
+    assert len(host.held_writes) == limit, "the agent sent the request past the bound"
+
+
 async def peer_closed(ctx: Ctx) -> None:
     """DP-3-8: the host closes its end, with or without a job running."""
     for busy in (False, True):

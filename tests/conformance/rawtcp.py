@@ -75,6 +75,8 @@ class RawTcpHost:
         self.frames: list[Frame] = []  # every frame header after the HELLOs
         self.hold_reads = False
         self.held: asyncio.Queue[Frame] = asyncio.Queue()
+        self.hold_writes = False  # place WRITEs but leave them unanswered (held_writes)
+        self.held_writes: list[Frame] = []
         self.refused: list[Frame] = []  # accesses this host refused
         self.after_refusal: list[Frame] = []  # what the agent sent after a refusal
         self.on_capsule: Callable[[bytes], None] | None = None  # at parse time (ordering)
@@ -235,7 +237,10 @@ class RawTcpHost:
                 await self.refuse(f)
             else:
                 view[:] = payload
-                await self.send(wire.frame(Ft.WRITE_ACK, 0, f.req_id))
+                if self.hold_writes:
+                    self.held_writes.append(f)
+                else:
+                    await self.send(wire.frame(Ft.WRITE_ACK, 0, f.req_id))
         else:
             self.violations.append(f"the agent sent {f}")
 
