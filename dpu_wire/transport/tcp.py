@@ -317,6 +317,11 @@ class FrameStream:
         """Whether bytes are queued."""
         return bool(self._tx)
 
+    @property
+    def waiting(self) -> int:
+        """Buffers queued and not all sent: a frame is its header and its payload's."""
+        return len(self._tx)
+
     def flush(self) -> bool:
         """Write what the socket takes now; True when nothing is left queued."""
         tx = self._tx
@@ -460,7 +465,7 @@ async def dial(
 
 
 def max_unanswered(queue_depth: int) -> int:
-    """The READ and WRITE requests a link may have unanswered at once (DP-3-9)."""
+    """The most requests unanswered (DP-3-9) and frames unsent (DP-3-10) a link may have."""
     return max(1024, 16 * queue_depth)
 
 
@@ -480,7 +485,9 @@ class TcpAgentLink(AgentLink, FrameHandler):
     a refusal. A request unanswered for `op_timeout` seconds ends it too, and so does a
     request that would make more than `max_unanswered` unanswered at once (a host that
     submits jobs and answers none of their WRITEs would otherwise make the link keep a
-    record of each until `op_timeout`).
+    record of each until `op_timeout`), and so does a capsule queued behind more than
+    `max_unanswered` frames that the socket has not taken (a host that sends SUBMITs and
+    reads nothing would otherwise make it keep every COMPLETION).
     """
 
     def __init__(
@@ -584,6 +591,13 @@ class TcpAgentLink(AgentLink, FrameHandler):
         self._check()
         if len(capsule) > MAX_CAPSULE:
             raise ValueError(f"capsule of {len(capsule)} bytes exceeds {MAX_CAPSULE}")
+        if self._stream.waiting > 2 * self._max_unanswered:  # two buffers a frame
+            raise self._fail(
+                TransportError(
+                    f"the host does not read: more than {self._max_unanswered} frames "
+                    "wait to be sent, the most a link may hold"
+                )
+            )
         sent = None if token is None else (lambda: self._done.append(token))
         self._stream.queue(pack(FrameType.CAPSULE, length=len(capsule)), capsule, sent)
         self._capsules += 1

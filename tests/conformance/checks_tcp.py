@@ -327,6 +327,28 @@ async def unanswered_requests_bounded(ctx: Ctx) -> None:
     assert len(host.held_writes) == limit, "the agent sent the request past the bound"
 
 
+async def a_host_that_does_not_read(ctx: Ctx) -> None:
+    """DP-3-10: a host that goes on sending SUBMITs and reads nothing."""
+    session = await ctx.open(queue_depth=1)
+    host = _host(session)
+    host.stop_reading()
+    data = os.urandom(16)
+    sent = 0
+    failed = False
+    while not failed and sent < 2_000_000:  # ~10 MB the sockets' buffers hold, then 1024
+        batch = [wire.submit_inline(session.next_id(), Kind.CRC32C, data) for _ in range(256)]
+        try:
+            await asyncio.wait_for(host.send(b"".join(map(wire.capsule_frame, batch))), 1)
+        except (TimeoutError, OSError):
+            break  # the agent stopped reading: it ended the data plane
+        sent += len(batch)
+        if sent % 8192 == 0:
+            failed = (await session.get()).state == session_pb2.SESSION_STATE_FAILED
+    state = await session.wait_state(session_pb2.SESSION_STATE_FAILED)
+    assert state.state == session_pb2.SESSION_STATE_FAILED, f"{sent} SUBMITs unread: {state}"
+    assert state.error.code == 14, state
+
+
 async def peer_closed(ctx: Ctx) -> None:
     """DP-3-8: the host closes its end, with or without a job running."""
     for busy in (False, True):

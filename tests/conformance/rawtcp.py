@@ -244,6 +244,11 @@ class RawTcpHost:
         else:
             self.violations.append(f"the agent sent {f}")
 
+    def stop_reading(self) -> None:
+        """Read nothing more from the connection (and answer nothing), as a stuck host."""
+        if self._reader is not None:
+            self._reader.cancel()
+
     async def hang_up(self) -> None:
         """Close the connection as a host that goes away would (the reader sees EOF first:
         a socket closed under a pending loop read confuses the loop's selector)."""
