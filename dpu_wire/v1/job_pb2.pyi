@@ -488,7 +488,9 @@ class Job(_message.Message):
     name: _builtins.str
     """Resource name "sessions/{session}/jobs/{job}". Output only."""
     job_id: _builtins.int
-    """Numeric id, unique within the session (the capsule's command id space)."""
+    """Numeric id: a capsule job's is the host's, unique among the session's open
+    jobs (a reused one names the latest job); a SubmitJob job's is 2^63 and up.
+    """
     request_id: _builtins.str
     state: Global___JobState.ValueType
     @_builtins.property
