@@ -150,6 +150,9 @@ class Pipeline(LinkSink):
         self._finished: list[JobRecord] = []
         self._writes: list[tuple[_Run, BatchWrite]] = []  # this pass's, for one write_batch
         self._backlog: collections.deque[tuple[bytes, int | None]] = collections.deque()
+        # COMPLETIONs waiting for the link: a host that takes none would grow this for
+        # ever, as its jobs' slots free when their COMPLETION is queued (DP-2.6-6)
+        self._backlog_max = max(1024, 16 * queue_depth)
         # SubmitJob requests waiting for a slot: the job (admitted) and who to answer
         self._waiting: collections.deque[
             tuple[JobRecord, Callable[[JobRecord | BaseException], None]]
@@ -575,6 +578,14 @@ class Pipeline(LinkSink):
 
     def _send(self, message: bytes, token: int | None) -> None:
         if self._backlog or self.link.room() == 0:
+            if len(self._backlog) >= self._backlog_max:  # DP-2.6-6
+                self.fail(
+                    TransportError(
+                        f"the host takes no COMPLETIONs: {len(self._backlog)} wait to be "
+                        "sent, the most a session may hold"
+                    )
+                )
+                return
             self._backlog.append((message, token))
             return
         try:

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import host_client
 from dpu_wire import capsule as sdk_capsule
-from dpu_wire.v1 import job_pb2
+from dpu_wire.v1 import job_pb2, session_pb2
 from tests.conformance import wire
 from tests.conformance.harness import CHUNK, PROMPT, WAIT, Ctx, HostRegion, Sess, code_of
 from tests.conformance.rawtcp import READ, WRITE, RawTcpHost
@@ -640,6 +640,30 @@ async def deadlines(ctx: Ctx) -> None:
         assert (done.state, done.status) == (St.FAILED, 4), done
         assert 0.25 <= took < PROMPT, f"DEADLINE_EXCEEDED after {took:.2f} s, a READ outstanding"
         await session.host.answer_read(read)
+
+
+async def a_host_that_takes_no_completions(ctx: Ctx) -> None:
+    """DP-2.6-6 (verbs): a host that posts no RECV and goes on sending SUBMITs."""
+    session = await ctx.open(queue_depth=1)
+    host = session.host
+    assert isinstance(host, RawVerbsHost)
+    host.stop_reading()
+    data = os.urandom(16)
+    sent = 0
+    state = await session.get()
+    while state.state != session_pb2.SESSION_STATE_FAILED and sent < 8192:
+        batch = [wire.submit_inline(session.next_id(), Kind.CRC32C, data) for _ in range(64)]
+        await host.send_capsules(batch)
+        sent += len(batch)
+        await asyncio.sleep(0.01)  # the link posts what waited for room
+        state = await session.get()
+    state = await session.wait_state(session_pb2.SESSION_STATE_FAILED)
+    assert state.state == session_pb2.SESSION_STATE_FAILED, f"{sent} SUBMITs: {state}"
+    assert state.error.code == 14, state
+    # On rxe the agent's SEND may also end by retries (its retransmit timer keeps
+    # running through RNR waits), which ends the data plane all the same; on hardware
+    # RNR is retried for ever and only the bound ends it. The bound's exact place is
+    # tested on the pipeline (tests/unit/test_inline_runners.py).
 
 
 async def late_answers_touch_nothing(ctx: Ctx) -> None:

@@ -107,6 +107,17 @@ class RawVerbsHost:
     async def send_capsules(self, capsules: list[bytes]) -> None:
         self.link.send(capsules)
 
+    def stop_reading(self) -> None:
+        """Post no RECV again: the capsules still arrive, then the agent's SENDs meet no
+        RECV and RC retries them for ever (RNR), as with a host that took its RECVs back.
+        """
+        qp = self.link._qp
+
+        def taken_not_reposted(_sink: object, _slot: int, _status: int, _length: int) -> bool:
+            return True
+
+        qp._received = taken_not_reposted  # type: ignore[method-assign,assignment]
+
     async def send_oversized(self, size: int) -> None:
         """One SEND of `size` bytes, past every RECV buffer of the agent (DP-2.5-3)."""
         qp = self.link._qp  # the transport refuses to do this on purpose

@@ -113,6 +113,7 @@ ROWS: Final = (
     Row("DP-2.6-3", BOTH, c2.data_before_completion),
     Row("DP-2.6-4", BOTH, c2.deadlines),
     Row("DP-2.6-5", TCP, c2.late_answers_touch_nothing, "only a tcp host can hold a READ back"),
+    Row("DP-2.6-6", VERBS, c2.a_host_that_takes_no_completions, "tcp: DP-3-10"),
     # 2.7 compute kinds
     Row("DP-2.7-1", BOTH, c2.output_bounded),
     Row("DP-2.7-2", BOTH, c2.decrypt_tag, "the agent, and the SDK"),

@@ -102,11 +102,12 @@ class _Link:
 
     inline_max = 4096
 
-    def __init__(self) -> None:
+    def __init__(self, room: int = 8) -> None:
         self.sent: list[bytes] = []
+        self._room = room
 
     def room(self) -> int:
-        return 8
+        return self._room
 
     def post_send(self, capsule: bytes, _token: int | None = None) -> None:
         self.sent.append(bytes(capsule))
@@ -116,16 +117,39 @@ class _Link:
 
 
 class _Hooks:
-    """The session side of a pipeline: records the jobs it publishes."""
+    """The session side of a pipeline: records the jobs it publishes and its failure."""
 
     def __init__(self) -> None:
         self.published: list[JobRecord] = []
+        self.failure: Exception | None = None
 
     def check_accepting(self) -> None:
         pass
 
     def finished(self, jobs: list[JobRecord]) -> None:
         self.published.extend(jobs)
+
+    def data_plane_failed(self, error: Exception) -> None:
+        self.failure = error
+
+
+def _pipeline(link: _Link, hooks: _Hooks, queue_depth: int = 4) -> pipeline.Pipeline:
+    reactor = types.SimpleNamespace(wake=lambda _link: None, call_later=lambda *_a: None)
+    return pipeline.Pipeline(
+        hooks=cast("pipeline.SessionHooks", hooks),
+        link=cast("AgentLink", link),
+        reactor=cast("Reactor", reactor),
+        staging=cast("Staging", None),
+        regions=RegionTable(),
+        storage=None,
+        queue_depth=queue_depth,
+        default_deadline=30.0,
+    )
+
+
+def _inline_crc(job_id: int) -> memoryview:
+    submit = capsule.pack_submit(job_id, JobKind.CRC32C, Span(0, len(DATA), 0), flags=FLAG_INLINE)
+    return memoryview(submit + DATA)
 
 
 def test_an_inline_crc_job_finishes_in_one_call_without_a_runner(monkeypatch):
@@ -136,22 +160,27 @@ def test_an_inline_crc_job_finishes_in_one_call_without_a_runner(monkeypatch):
 
     monkeypatch.setitem(runners.RUNNERS, JobKind.CRC32C, no_runner)
     link, hooks = _Link(), _Hooks()
-    reactor = types.SimpleNamespace(wake=lambda _link: None, call_later=lambda *_a: None)
-    pipe = pipeline.Pipeline(
-        hooks=cast("pipeline.SessionHooks", hooks),
-        link=cast("AgentLink", link),
-        reactor=cast("Reactor", reactor),
-        staging=cast("Staging", None),
-        regions=RegionTable(),
-        storage=None,
-        queue_depth=4,
-        default_deadline=30.0,
-    )
-    submit = capsule.pack_submit(7, JobKind.CRC32C, Span(0, len(DATA), 0), flags=FLAG_INLINE)
-    pipe.on_capsule(memoryview(submit + DATA))
+    pipe = _pipeline(link, hooks)
+    pipe.on_capsule(_inline_crc(7))
     (reply,) = link.sent
     fields = capsule.completion_fields(reply)
     assert fields[:6] == (7, State.SUCCEEDED, 0, len(DATA), 0, crc32c.crc32c(DATA))
     assert not pipe.open
     pipe.end_pass()
     assert [job.job_id for job in hooks.published] == [7]
+
+
+@pytest.mark.parametrize("queue_depth", [1, 100])
+def test_completions_the_host_does_not_take_are_bounded(queue_depth):
+    """DP-2.6-6: max(1024, 16 x queue_depth) COMPLETIONs wait for a full link; one more
+    ends the data plane (each job's slot is free once its COMPLETION is queued)."""
+    link, hooks = _Link(room=0), _Hooks()
+    pipe = _pipeline(link, hooks, queue_depth)
+    bound = max(1024, 16 * queue_depth)
+    for job_id in range(1, bound + 1):
+        pipe.on_capsule(_inline_crc(job_id))
+    assert str(hooks.failure) == "None"  # not failed yet
+    pipe.on_capsule(_inline_crc(bound + 1))
+    assert "takes no COMPLETIONs" in str(hooks.failure)
+    assert pipe.failed
+    assert link.sent == []
