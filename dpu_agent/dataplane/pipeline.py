@@ -25,8 +25,6 @@ from dpu_agent import status
 from dpu_agent.dataplane.admission import JobRequest, admit
 from dpu_agent.dataplane.jobs import JobRecord, Origin
 from dpu_agent.dataplane.runners import (
-    IMMEDIATE,
-    INLINE_BYTES,
     RUNNERS,
     BatchWrite,
     Io,
@@ -35,12 +33,13 @@ from dpu_agent.dataplane.runners import (
     Work,
     Write,
     buffers_needed,
+    immediate,
 )
 from dpu_agent.errors import AgentError, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from dpu_wire import capsule
 from dpu_wire.capsule import CapsuleError, Opcode, Span, State
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
-from dpu_wire.transport.base import LinkSink, TransportError
+from dpu_wire.transport.base import LinkSink, TransportError, max_waiting
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -152,7 +151,7 @@ class Pipeline(LinkSink):
         self._backlog: collections.deque[tuple[bytes, int | None]] = collections.deque()
         # COMPLETIONs waiting for the link: a host that takes none would grow this for
         # ever, as its jobs' slots free when their COMPLETION is queued (DP-2.6-6)
-        self._backlog_max = max(1024, 16 * queue_depth)
+        self._backlog_max = max_waiting(queue_depth)
         # SubmitJob requests waiting for a slot: the job (admitted) and who to answer
         self._waiting: collections.deque[
             tuple[JobRecord, Callable[[JobRecord | BaseException], None]]
@@ -339,11 +338,10 @@ class Pipeline(LinkSink):
     def _start(self, job: JobRecord) -> None:
         self.open[job.job_id] = job
         self.counters.jobs_submitted += 1
-        if job.inline and len(job.inline) <= INLINE_BYTES:
-            now = IMMEDIATE.get(job.kind)
-            if now is not None:
-                self._run_now(job, now)
-                return
+        now = immediate(job)
+        if now is not None:
+            self._run_now(job, now)
+            return
         token = self._next_token
         self._next_token = token + 1
         run = _Run(job, token)
@@ -359,17 +357,22 @@ class Pipeline(LinkSink):
             self._launch(run, [])
 
     def _run_now(self, job: JobRecord, run: Callable[[JobRecord], None]) -> None:
-        """Run and end a job that needs no operation (`runners.IMMEDIATE`)."""
+        """Run and end a job that needs no operation (`runners.immediate`)."""
         job.start()
         try:
             run(job)
-        except AgentError as exc:
-            self._end(job, None, State.FAILED, status.code_for(exc), str(exc))
-        except Exception:
-            log.exception("job failed unexpectedly", extra={"job": job.job_id})
-            self._end(job, None, State.FAILED, status.INTERNAL, "internal error")
+        except Exception as exc:  # noqa: BLE001 - every failure ends the job, one way
+            self._end_raised(job, None, exc)
         else:
             self._end(job, None, State.SUCCEEDED, status.OK, "")
+
+    def _end_raised(self, job: JobRecord, run: _Run | None, exc: Exception) -> None:
+        """End a job whose step raised `exc`: its domain status, or INTERNAL for a bug."""
+        if isinstance(exc, AgentError):
+            self._end(job, run, State.FAILED, status.code_for(exc), str(exc))
+            return
+        log.error("job failed unexpectedly", exc_info=exc, extra={"job": job.job_id})
+        self._end(job, run, State.FAILED, status.INTERNAL, "internal error")
 
     def _launch(self, run: _Run, buffers: list[Buffer]) -> None:
         job = run.job
@@ -397,15 +400,11 @@ class Pipeline(LinkSink):
             except StopIteration:
                 self._end(job, run, State.SUCCEEDED, status.OK, "")
                 return
-            except AgentError as exc:
-                self._end(job, run, State.FAILED, status.code_for(exc), str(exc))
-                return
             except TransportError as exc:
                 self.fail(exc)
                 return
-            except Exception:
-                log.exception("job failed unexpectedly", extra={"job": job.job_id})
-                self._end(job, run, State.FAILED, status.INTERNAL, "internal error")
+            except Exception as exc:  # noqa: BLE001 - a domain error or a bug, both end the job
+                self._end_raised(job, run, exc)
                 return
             try:
                 waits, value, error = self._perform(run, op)

@@ -123,6 +123,17 @@ class Region(abc.ABC):
     access: Access
 
 
+def max_waiting(queue_depth: int) -> int:
+    """How much a peer may leave waiting on a session's data plane before it ends.
+
+    One bound for each thing a host can make pile up without ending a job: READ and
+    WRITE requests it leaves unanswered (tcp, DP-3-9), frames it does not read (tcp,
+    DP-3-10), and COMPLETIONs waiting for a send queue it does not drain (verbs,
+    DP-2.6-6).
+    """
+    return max(1024, 16 * queue_depth)
+
+
 def readable_view(region: Region | None, span: Span) -> memoryview | None:
     """`region`'s memory behind `span` if the region grants REMOTE_READ and holds all of it.
 

@@ -50,6 +50,7 @@ from dpu_wire.transport.base import (
     RemoteAccessError,
     TcpAddress,
     TransportError,
+    max_waiting,
     readable_view,
 )
 
@@ -464,11 +465,6 @@ async def dial(
 # ---------------------------------------------------------------- the agent side
 
 
-def max_unanswered(queue_depth: int) -> int:
-    """The most requests unanswered (DP-3-9) and frames unsent (DP-3-10) a link may have."""
-    return max(1024, 16 * queue_depth)
-
-
 class _Request(NamedTuple):
     kind: int  # FrameType.READ or FrameType.WRITE
     target: memoryview | None  # READ: where the answer goes
@@ -497,7 +493,7 @@ class TcpAgentLink(AgentLink, FrameHandler):
         *,
         op_timeout: float = OP_TIMEOUT,
         inline_max: int = 0,
-        max_unanswered: int = 1024,
+        max_unanswered: int = max_waiting(1),
     ) -> None:
         if not 0 <= inline_max <= MAX_INLINE:
             raise ValueError(f"inline_max must be 0..{MAX_INLINE}, not {inline_max}")
