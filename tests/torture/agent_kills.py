@@ -5,10 +5,11 @@ block of every volume is written and flushed, so each later write overwrites liv
 data (the case engine v1 lost blocks in). Each round: an agent starts on the
 directory (recovering from the last kill), a session's writers overwrite slots of
 every volume (4 blocks per job, random content, FUA or plain with a flush every few
-writes) and a snapshot is taken; after a random number of acknowledgements the
-agent gets SIGKILL. The next round's agent must then read every block as its last
-durable version or a later write's whole content (model.py), with no DATA_LOSS,
-and hold every acknowledged snapshot as it was taken.
+writes) and a snapshot is taken; after a random number of acknowledgements (and, in
+half the rounds, once the snapshot is acknowledged) the agent gets SIGKILL. The next
+round's agent must then read every block as its last durable version or a later
+write's whole content (model.py), with no DATA_LOSS, and hold every acknowledged
+snapshot as it was taken.
 """
 
 from __future__ import annotations
@@ -144,7 +145,12 @@ class Rounds:
             asyncio.create_task(self._writer(k, session, buffers[k], acked)) for k in range(WRITERS)
         ]
         snapshot = asyncio.create_task(self._snapshot(client))
-        while acked[0] < kill_after and not all(w.done() for w in writers):  # noqa: ASYNC110
+        # Half the rounds kill only once the snapshot is acknowledged, so some snapshot is
+        # always checked however fast the writes are; the other half may cut it mid-way.
+        after_snapshot = self.rng.random() < 0.5
+        while (  # noqa: ASYNC110
+            acked[0] < kill_after or (after_snapshot and not snapshot.done())
+        ) and not all(w.done() for w in writers):
             await asyncio.sleep(0.002)
         for w in writers:
             if w.done() and w.exception() is not None:
