@@ -172,13 +172,23 @@ class _Decompress(Transform):
             )
 
     def feed(self, data: bytes | memoryview, step: int, *, last: bool = False) -> bytes:  # noqa: ARG002 - see feed
+        if self._dec.eof:  # DP-2.7-4: the source is one frame, nothing after it
+            if data:
+                raise self._after_frame()
+            return b""
         # The LZ4 decompressor keeps a slice of input it did not consume: give it a copy.
         # The Zstandard one copies what it keeps.
         chunk = bytes(data) if self._codec == "lz4" else data
         try:
-            return bytes(self._dec.decompress(chunk, max_length=step))
+            out = bytes(self._dec.decompress(chunk, max_length=step))
         except (RuntimeError, zstd_stream.ZstdError) as exc:
             raise InvalidArgument(f"the input is not a valid {self._codec} frame ({exc})") from None
+        if self._dec.eof and self._dec.unused_data:
+            raise self._after_frame()
+        return out
+
+    def _after_frame(self) -> InvalidArgument:
+        return InvalidArgument(f"the input holds bytes after its {self._codec} frame")
 
     def more(self) -> bool:
         return not self._dec.needs_input and not self._dec.eof

@@ -293,6 +293,10 @@ Global___CompressJob: _TypeAlias = CompressJob  # noqa: Y015
 
 @_typing.final
 class DecompressJob(_message.Message):
+    """The source is exactly one frame: bytes after its end fail the job
+    (INVALID_ARGUMENT).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SOURCE_FIELD_NUMBER: _builtins.int

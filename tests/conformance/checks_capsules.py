@@ -765,6 +765,27 @@ async def zstd_window(ctx: Ctx) -> None:
     assert (await session.run(K.DECOMPRESS, src.span(), dst.span(), handle=wire.ZSTD)).ok
 
 
+async def one_frame(ctx: Ctx) -> None:
+    """DP-2.7-4: bytes after the frame fail the job, in the frame's chunk or a later one."""
+    session = await ctx.open()
+    plain = os.urandom(1000) * 8
+    dst = await session.region(len(plain) + 4096, WRITE)
+    for codec, frame in (
+        (wire.LZ4, lz4.frame.compress(plain)),
+        (wire.ZSTD, zstandard.ZstdCompressor().compress(plain)),
+    ):
+        src = await session.region(len(frame), READ, fill=frame)
+        done = await session.run(K.DECOMPRESS, src.span(), dst.span(), handle=codec)
+        assert done.ok, done
+        assert done.result == len(plain), done
+        for after in (b"TRAILING", frame, b"\0" * (CHUNK + 1)):
+            blob = frame + after
+            src = await session.region(len(blob), READ, fill=blob)
+            done = await session.run(K.DECOMPRESS, src.span(), dst.span(), handle=codec)
+            assert (done.state, done.status) == (St.FAILED, 3), (codec, len(after), done)
+            assert bytes(dst.view[: done.bytes_written]) == plain[: done.bytes_written]
+
+
 def _zstd_frame(data: bytes, window_log: int) -> bytes:
     """A frame that asks for a 2**window_log window (streamed: no size to shrink it to)."""
     params = zstandard.ZstdCompressionParameters.from_level(3, window_log=window_log)

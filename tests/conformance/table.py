@@ -118,6 +118,7 @@ ROWS: Final = (
     Row("DP-2.7-1", BOTH, c2.output_bounded),
     Row("DP-2.7-2", BOTH, c2.decrypt_tag, "the agent, and the SDK"),
     Row("DP-2.7-3", BOTH, c2.zstd_window),
+    Row("DP-2.7-4", BOTH, c2.one_frame),
     # 2.8 inline sources
     Row("DP-2.8-1", BOTH, c28.runs_as_if_read, "verbs: no READ is seen by the host; see _reads"),
     Row("DP-2.8-2", BOTH, c28.length_must_match),

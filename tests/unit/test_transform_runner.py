@@ -116,6 +116,18 @@ def test_a_decompression_bomb_stops_at_the_destination_a_buffer_at_a_time():
         run(JobKind.DECOMPRESS, bomb, 10 * STEP, 2)
 
 
+@pytest.mark.parametrize("codec", [1, 2])
+@pytest.mark.parametrize("gap", [0, 1, STEP - 1, STEP, 2 * STEP])
+def test_bytes_after_the_frame_fail_wherever_the_chunks_split(codec, gap):
+    """DP-2.7-4: one frame; the bytes after it reach `gap` bytes past the next chunk boundary."""
+    packed, _ = run(JobKind.COMPRESS, DATA, 2 * len(DATA), codec)
+    end = -(-len(packed) // STEP) * STEP  # the chunk boundary at or after the frame
+    pad = max(end - len(packed), 0) + gap + 1  # a byte past the boundary, `gap` later
+    for after in (os.urandom(pad), packed):
+        with pytest.raises(InvalidArgument, match="bytes after its"):
+            run(JobKind.DECOMPRESS, packed + after, 2 * len(DATA), codec)
+
+
 def test_one_shot_zstd_jobs_reuse_their_worker_threads_compressor():
     """A context made per job cost the agent page faults and a memset per 1 MiB job."""
     made = []
