@@ -11,8 +11,9 @@ Conventions (Google API style, https://google.aip.dev):
 - List calls take page_size (0 = server default, capped by the server) and an
   opaque page_token; they return next_page_token ("" on the last page).
 - Every mutating call carries request_id, an idempotency key (a UUID is
-  recommended): a retry with the same request_id returns the first result
-  instead of acting twice.
+  recommended) of at most 128 characters (a longer one is INVALID_ARGUMENT): a
+  retry with the same request_id returns the first result instead of acting
+  twice.
 """
 
 from google.protobuf import descriptor as _descriptor

@@ -108,14 +108,17 @@ class SessionServiceServicer:
 
     def CloseSession(self, request, context):
         """Closes a session: pending jobs end CANCELLED, the queue pair is
-        destroyed and every region is forgotten.
+        destroyed and every region is forgotten. An unknown name, or another
+        tenant's session, is NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AdvertiseRegions(self, request, context):
-        """Advertises host memory regions the agent may READ and/or WRITE.
+        """Advertises host memory regions the agent may READ and/or WRITE, all or none.
+        A session holds at most 1,024 regions: a request that would pass that is
+        RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,6 +134,7 @@ class SessionServiceServicer:
     def AttachVolume(self, request, context):
         """Makes a volume addressable by capsules of this session under a small handle
         (like an NVMe namespace id on a controller). Attaching twice gives the same handle.
+        A session attaches at most 1,024 volumes: one more is RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,7 +150,8 @@ class SessionServiceServicer:
     def RegisterKey(self, request, context):
         """Gives an AES key (16, 24 or 32 bytes) a handle for this session's encrypt and
         decrypt jobs. The key is kept in agent memory only, never returned or logged,
-        and forgotten when the session closes.
+        and forgotten when the session closes. A session registers at most 256 keys:
+        one more is RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,22 +43,28 @@ class SessionServiceStub:
     ListSessions: _grpc.UnaryUnaryMultiCallable[_session_pb2.ListSessionsRequest, _session_pb2.ListSessionsResponse]
     CloseSession: _grpc.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]
     """Closes a session: pending jobs end CANCELLED, the queue pair is
-    destroyed and every region is forgotten.
+    destroyed and every region is forgotten. An unknown name, or another
+    tenant's session, is NOT_FOUND.
     """
     AdvertiseRegions: _grpc.UnaryUnaryMultiCallable[_session_pb2.AdvertiseRegionsRequest, _session_pb2.AdvertiseRegionsResponse]
-    """Advertises host memory regions the agent may READ and/or WRITE."""
+    """Advertises host memory regions the agent may READ and/or WRITE, all or none.
+    A session holds at most 1,024 regions: a request that would pass that is
+    RESOURCE_EXHAUSTED.
+    """
     WithdrawRegion: _grpc.UnaryUnaryMultiCallable[_session_pb2.WithdrawRegionRequest, _session_pb2.WithdrawRegionResponse]
     """Withdraws a region; jobs that name it afterwards fail."""
     AttachVolume: _grpc.UnaryUnaryMultiCallable[_session_pb2.AttachVolumeRequest, _session_pb2.VolumeAttachment]
     """Makes a volume addressable by capsules of this session under a small handle
     (like an NVMe namespace id on a controller). Attaching twice gives the same handle.
+    A session attaches at most 1,024 volumes: one more is RESOURCE_EXHAUSTED.
     """
     DetachVolume: _grpc.UnaryUnaryMultiCallable[_session_pb2.DetachVolumeRequest, _session_pb2.DetachVolumeResponse]
     """Removes the handle; capsules naming it afterwards fail."""
     RegisterKey: _grpc.UnaryUnaryMultiCallable[_session_pb2.RegisterKeyRequest, _session_pb2.KeyHandle]
     """Gives an AES key (16, 24 or 32 bytes) a handle for this session's encrypt and
     decrypt jobs. The key is kept in agent memory only, never returned or logged,
-    and forgotten when the session closes.
+    and forgotten when the session closes. A session registers at most 256 keys:
+    one more is RESOURCE_EXHAUSTED.
     """
 
 @_typing.type_check_only
@@ -73,22 +79,28 @@ class SessionServiceAsyncStub(SessionServiceStub):
     ListSessions: _aio.UnaryUnaryMultiCallable[_session_pb2.ListSessionsRequest, _session_pb2.ListSessionsResponse]  # type: ignore[assignment]
     CloseSession: _aio.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]  # type: ignore[assignment]
     """Closes a session: pending jobs end CANCELLED, the queue pair is
-    destroyed and every region is forgotten.
+    destroyed and every region is forgotten. An unknown name, or another
+    tenant's session, is NOT_FOUND.
     """
     AdvertiseRegions: _aio.UnaryUnaryMultiCallable[_session_pb2.AdvertiseRegionsRequest, _session_pb2.AdvertiseRegionsResponse]  # type: ignore[assignment]
-    """Advertises host memory regions the agent may READ and/or WRITE."""
+    """Advertises host memory regions the agent may READ and/or WRITE, all or none.
+    A session holds at most 1,024 regions: a request that would pass that is
+    RESOURCE_EXHAUSTED.
+    """
     WithdrawRegion: _aio.UnaryUnaryMultiCallable[_session_pb2.WithdrawRegionRequest, _session_pb2.WithdrawRegionResponse]  # type: ignore[assignment]
     """Withdraws a region; jobs that name it afterwards fail."""
     AttachVolume: _aio.UnaryUnaryMultiCallable[_session_pb2.AttachVolumeRequest, _session_pb2.VolumeAttachment]  # type: ignore[assignment]
     """Makes a volume addressable by capsules of this session under a small handle
     (like an NVMe namespace id on a controller). Attaching twice gives the same handle.
+    A session attaches at most 1,024 volumes: one more is RESOURCE_EXHAUSTED.
     """
     DetachVolume: _aio.UnaryUnaryMultiCallable[_session_pb2.DetachVolumeRequest, _session_pb2.DetachVolumeResponse]  # type: ignore[assignment]
     """Removes the handle; capsules naming it afterwards fail."""
     RegisterKey: _aio.UnaryUnaryMultiCallable[_session_pb2.RegisterKeyRequest, _session_pb2.KeyHandle]  # type: ignore[assignment]
     """Gives an AES key (16, 24 or 32 bytes) a handle for this session's encrypt and
     decrypt jobs. The key is kept in agent memory only, never returned or logged,
-    and forgotten when the session closes.
+    and forgotten when the session closes. A session registers at most 256 keys:
+    one more is RESOURCE_EXHAUSTED.
     """
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -124,7 +136,8 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_session_pb2.CloseSessionResponse, _abc.Awaitable[_session_pb2.CloseSessionResponse]]:
         """Closes a session: pending jobs end CANCELLED, the queue pair is
-        destroyed and every region is forgotten.
+        destroyed and every region is forgotten. An unknown name, or another
+        tenant's session, is NOT_FOUND.
         """
 
     @_abc_1.abstractmethod
@@ -133,7 +146,10 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _session_pb2.AdvertiseRegionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_session_pb2.AdvertiseRegionsResponse, _abc.Awaitable[_session_pb2.AdvertiseRegionsResponse]]:
-        """Advertises host memory regions the agent may READ and/or WRITE."""
+        """Advertises host memory regions the agent may READ and/or WRITE, all or none.
+        A session holds at most 1,024 regions: a request that would pass that is
+        RESOURCE_EXHAUSTED.
+        """
 
     @_abc_1.abstractmethod
     def WithdrawRegion(
@@ -151,6 +167,7 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_session_pb2.VolumeAttachment, _abc.Awaitable[_session_pb2.VolumeAttachment]]:
         """Makes a volume addressable by capsules of this session under a small handle
         (like an NVMe namespace id on a controller). Attaching twice gives the same handle.
+        A session attaches at most 1,024 volumes: one more is RESOURCE_EXHAUSTED.
         """
 
     @_abc_1.abstractmethod
@@ -169,7 +186,8 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_session_pb2.KeyHandle, _abc.Awaitable[_session_pb2.KeyHandle]]:
         """Gives an AES key (16, 24 or 32 bytes) a handle for this session's encrypt and
         decrypt jobs. The key is kept in agent memory only, never returned or logged,
-        and forgotten when the session closes.
+        and forgotten when the session closes. A session registers at most 256 keys:
+        one more is RESOURCE_EXHAUSTED.
         """
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
