@@ -36,7 +36,6 @@ write racing another to the same block ends with one of the two, whole.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import logging
@@ -165,18 +164,37 @@ class _Volume:
         return f"_Volume({self.node.name!r})"
 
 
-@contextlib.contextmanager
-def os_errors() -> Iterator[None]:
-    """Turn OSError from the backing storage into domain errors."""
-    try:
-        yield
-    except OSError as exc:
+class _OsErrors:
+    """`with os_errors():` turns OSError from the backing storage into domain errors.
+
+    A class, not `contextlib.contextmanager`: it is on every read's and write's path,
+    and a generator-based manager costs five times as much (0.5 against 0.1 us).
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if not isinstance(exc, OSError):
+            return
         reason = exc.strerror or type(exc).__name__
         if exc.errno in {errno.ENOSPC, errno.EDQUOT}:
             raise ResourceExhausted(f"no space left for volume data: {reason}") from exc
         if exc.errno == errno.EIO:
             raise DataCorruption(f"the volume's storage reported an I/O error: {reason}") from exc
         raise Unavailable(f"volume storage failed: {reason}") from exc
+
+
+_OS_ERRORS: Final = _OsErrors()
+
+
+def os_errors() -> _OsErrors:
+    """The context manager that maps OSError to domain errors (`_OsErrors`)."""
+    return _OS_ERRORS
 
 
 def _raise_first(errors: builtins.list[AgentError | None]) -> None:
