@@ -34,6 +34,7 @@ from dpu_agent.dataplane.runners import (
     Write,
     buffers_needed,
     immediate,
+    queued_write,
 )
 from dpu_agent.errors import AgentError, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from dpu_wire import capsule
@@ -147,7 +148,8 @@ class Pipeline(LinkSink):
         self._run_of: dict[int, _Run] = {}  # by job id
         self._next_token = 1
         self._finished: list[JobRecord] = []
-        self._writes: list[tuple[_Run, BatchWrite]] = []  # this pass's, for one write_batch
+        # this pass's BatchWrites, for one write_batch: a run's, or a whole job's (no run)
+        self._writes: list[tuple[JobRecord, _Run | None, BatchWrite]] = []
         self._backlog: collections.deque[tuple[bytes, int | None]] = collections.deque()
         # COMPLETIONs waiting for the link: a host that takes none would grow this for
         # ever, as its jobs' slots free when their COMPLETION is queued (DP-2.6-6)
@@ -342,6 +344,10 @@ class Pipeline(LinkSink):
         if now is not None:
             self._run_now(job, now)
             return
+        write = queued_write(job) if self._storage is not None else None
+        if write is not None:
+            self._queue_write(job, write)
+            return
         token = self._next_token
         self._next_token = token + 1
         run = _Run(job, token)
@@ -365,6 +371,39 @@ class Pipeline(LinkSink):
             self._end_raised(job, None, exc)
         else:
             self._end(job, None, State.SUCCEEDED, status.OK, "")
+
+    def _queue_write(self, job: JobRecord, write: BatchWrite) -> None:
+        """Queue a job that is one BatchWrite (`runners.queued_write`), after its QoS wait."""
+        job.start()
+        storage = self._storage
+        assert storage is not None  # noqa: S101 - queued_write is asked only with a store
+        try:
+            delay = storage.throttle(job.volume_id, "write", write.view.nbytes)
+        except Exception as exc:  # noqa: BLE001 - as a runner's step: the job ends with it
+            self._end_raised(job, None, exc)
+            return
+        job.bytes_read = write.view.nbytes
+        if delay > 0:
+            self._arm_sweeper()  # its deadline holds while it waits
+            self._reactor.call_later(delay, lambda: self._queue_now(job, write))
+        else:
+            self._queue_now(job, write)
+
+    def _queue_now(self, job: JobRecord, write: BatchWrite) -> None:
+        if job.done:  # cancelled, or past its deadline, while it waited
+            return
+        if time.monotonic() > job.deadline:  # as `_advance` checks before each step
+            self._end(job, None, State.FAILED, status.DEADLINE_EXCEEDED, "job deadline exceeded")
+            return
+        self._batch(job, None, write)
+
+    def _batch(self, job: JobRecord, run: _Run | None, write: BatchWrite) -> None:
+        """Add a BatchWrite to the pass's batch, for `_write_batch`."""
+        if not self._writes:
+            self._reactor.wake(self.link)  # so this pass ends with end_pass, which runs it
+        self._writes.append((job, run, write))
+        if run is not None:
+            run.pending += 1
 
     def _end_raised(self, job: JobRecord, run: _Run | None, exc: Exception) -> None:
         """End a job whose step raised `exc`: its domain status, or INTERNAL for a bug."""
@@ -452,10 +491,7 @@ class Pipeline(LinkSink):
     ) -> tuple[bool, object, BaseException | None]:
         """A storage call: gathered for the pass's batch, run inline, or on a storage worker."""
         if type(op) is BatchWrite:
-            if not self._writes:
-                self._reactor.wake(self.link)  # so this pass ends with end_pass, which runs it
-            self._writes.append((run, op))
-            run.pending += 1
+            self._batch(run.job, run, op)
             return True, None, None
         if self._writes:
             self._write_batch()  # a session's store calls keep their order
@@ -474,23 +510,37 @@ class Pipeline(LinkSink):
     def _write_batch(self) -> None:
         """Run the gathered BatchWrites in one store call; resume each job with its result."""
         batch, self._writes = self._writes, []
-        live = [i for i, (run, _) in enumerate(batch) if not run.job.done]
+        live = [i for i, (job, _, _) in enumerate(batch) if not job.done]
         storage = self._storage
         assert storage is not None  # noqa: S101 - a volume runner checked it before its BatchWrite
-        errors: list[BaseException | None] = [None] * len(batch)
-        results: list[BaseException | None]
+        errors: list[Exception | None] = [None] * len(batch)
+        results: list[Exception | None] = []
         try:
-            results = list(storage.write_batch([batch[i][1] for i in live]))
+            if live:
+                results = list(storage.write_batch([batch[i][2] for i in live]))
         except Exception as exc:  # noqa: BLE001 - each job gets it (an AgentError, or INTERNAL)
             results = [exc] * len(live)
         for i, result in zip(live, results, strict=True):
             errors[i] = result
-        for (run, _), error in zip(batch, errors, strict=True):
+        for (job, run, _), error in zip(batch, errors, strict=True):
+            if run is None:  # a job that was this one write
+                if not job.done:
+                    self._written(job, error)
+                continue
             run.pending -= 1
-            if run.job.done:  # ended meanwhile (cancelled; or the link failed, ending all)
+            if job.done:  # ended meanwhile (cancelled; or the link failed, ending all)
                 self._release_if_idle(run)
             else:
                 self._advance(run, None, error)
+
+    def _written(self, job: JobRecord, error: Exception | None) -> None:
+        """End a job that was one BatchWrite, as its runner would have ended."""
+        if error is not None:
+            self._end_raised(job, None, error)
+        elif time.monotonic() > job.deadline:
+            self._end(job, None, State.FAILED, status.DEADLINE_EXCEEDED, "job deadline exceeded")
+        else:
+            self._end(job, None, State.SUCCEEDED, status.OK, "")
 
     def _resumed(self, run: _Run, future: concurrent.futures.Future[Any]) -> None:
         run.pending -= 1

@@ -345,6 +345,22 @@ def immediate(job: JobRecord) -> Callable[[JobRecord], None] | None:
     return IMMEDIATE.get(job.kind)
 
 
+def queued_write(job: JobRecord) -> BatchWrite | None:
+    """The one BatchWrite that is all of `job`, or None: it takes a runner.
+
+    A VOLUME_WRITE whose source came inline (at most `INLINE_BYTES`) and that need not
+    be durable is `volume_write`'s one chunk: its QoS wait, then one BatchWrite. The
+    pipeline queues it for the pass's `write_batch` itself and ends the job with the
+    result, without a run or a generator (a third of the reactor's CPU per 4 KiB write
+    at QD1 over tcp went to the run).
+    """
+    if job.kind is not JobKind.VOLUME_WRITE or job.fua or not job.inline:
+        return None
+    if len(job.inline) > INLINE_BYTES:
+        return None
+    return BatchWrite(job.volume_id, job.offset, memoryview(job.inline))
+
+
 def _throttle(storage: Storage, job: JobRecord, op: str, size: int) -> Runner:
     delay = storage.throttle(job.volume_id, op, size)
     if delay > 0:

@@ -18,11 +18,14 @@ import pytest
 from dpu_agent.dataplane import pipeline, runners
 from dpu_agent.dataplane.jobs import JobRecord, Origin
 from dpu_agent.dataplane.regions import RegionTable
+from dpu_agent.errors import InvalidArgument
 from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
-from dpu_wire.jobkinds import FLAG_INLINE, JobKind
+from dpu_wire.jobkinds import FLAG_FUA, FLAG_INLINE, JobKind
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from dpu_agent.dataplane.reactor import Reactor
     from dpu_agent.dataplane.staging import Staging
     from dpu_wire.transport.base import AgentLink
@@ -126,6 +129,9 @@ class _Hooks:
     def check_accepting(self) -> None:
         pass
 
+    def volume_of(self, handle: int) -> str | None:
+        return "v" if handle == 1 else None
+
     def finished(self, jobs: list[JobRecord]) -> None:
         self.published.extend(jobs)
 
@@ -133,15 +139,56 @@ class _Hooks:
         self.failure = error
 
 
-def _pipeline(link: _Link, hooks: _Hooks, queue_depth: int = 4) -> pipeline.Pipeline:
-    reactor = types.SimpleNamespace(wake=lambda _link: None, call_later=lambda *_a: None)
+class _Reactor:
+    """Records the timers a pipeline sets (call `fire` to run them)."""
+
+    def __init__(self) -> None:
+        self.timers: list[tuple[float, Callable[[], None]]] = []
+
+    def wake(self, _link: object) -> None:
+        pass
+
+    def call_later(self, seconds: float, fn: Callable[[], None]) -> types.SimpleNamespace:
+        self.timers.append((seconds, fn))
+        return types.SimpleNamespace(cancel=lambda: None)
+
+    def fire(self) -> None:
+        timers, self.timers = self.timers, []
+        for _, fn in timers:
+            fn()
+
+
+class _BatchStore:
+    """The store side of a pipeline: records each write_batch; throttles and fails on request."""
+
+    def __init__(self, delay: float = 0.0, error: Exception | None = None) -> None:
+        self.batches: list[list[tuple[str, int, bytes]]] = []
+        self.delay = delay
+        self.error = error
+
+    def throttle(self, _volume_id: str, _op: str, _nbytes: int) -> float:
+        return self.delay
+
+    def write_batch(self, writes: list[tuple[str, int, memoryview]]) -> list[Exception | None]:
+        self.batches.append([(v, o, bytes(d)) for v, o, d in writes])
+        return [self.error] * len(writes)
+
+
+def _pipeline(
+    link: _Link,
+    hooks: _Hooks,
+    queue_depth: int = 4,
+    *,
+    reactor: _Reactor | None = None,
+    store: _BatchStore | None = None,
+) -> pipeline.Pipeline:
     return pipeline.Pipeline(
         hooks=cast("pipeline.SessionHooks", hooks),
         link=cast("AgentLink", link),
-        reactor=cast("Reactor", reactor),
+        reactor=cast("Reactor", reactor or _Reactor()),
         staging=cast("Staging", None),
         regions=RegionTable(),
-        storage=None,
+        storage=cast("runners.Storage", store),
         queue_depth=queue_depth,
         default_deadline=30.0,
     )
@@ -184,3 +231,79 @@ def test_completions_the_host_does_not_take_are_bounded(queue_depth):
     assert "takes no COMPLETIONs" in str(hooks.failure)
     assert pipe.failed
     assert link.sent == []
+
+
+def _inline_write(job_id: int, *, fua: bool = False, deadline_ms: int = 0) -> memoryview:
+    submit = capsule.pack_submit(
+        job_id, JobKind.VOLUME_WRITE, Span(0, len(DATA), 0), offset=8192, handle=1,
+        flags=FLAG_INLINE | (FLAG_FUA if fua else 0), deadline_ms=deadline_ms,
+    )  # fmt: skip
+    return memoryview(submit + DATA)
+
+
+def _replies(link: _Link) -> list[tuple[int, int, int, int]]:
+    """(job id, state, status, bytes_read) of each COMPLETION sent."""
+    return [capsule.completion_fields(reply)[:4] for reply in link.sent]
+
+
+def _no_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_runner(*_args: object) -> None:
+        raise AssertionError("the volume write runner was stepped")
+
+    monkeypatch.setitem(runners.RUNNERS, JobKind.VOLUME_WRITE, no_runner)
+
+
+def test_small_inline_writes_share_one_store_call_without_a_runner(monkeypatch):
+    """`runners.queued_write`: the pass's writes go to one write_batch, in order; each job
+    ends with its result."""
+    _no_runner(monkeypatch)
+    link, hooks, store = _Link(), _Hooks(), _BatchStore()
+    pipe = _pipeline(link, hooks, store=store)
+    pipe.on_capsule(_inline_write(1))
+    pipe.on_capsule(_inline_write(2))
+    assert link.sent == []  # nothing ends before the pass's batch
+    pipe.end_pass()
+    assert store.batches == [[("v", 8192, DATA), ("v", 8192, DATA)]]
+    assert _replies(link) == [(1, State.SUCCEEDED, 0, len(DATA)), (2, State.SUCCEEDED, 0, 4096)]
+    assert [job.job_id for job in hooks.published] == [1, 2]
+
+
+def test_a_queued_write_the_store_refuses_fails_with_its_status(monkeypatch):
+    _no_runner(monkeypatch)
+    link, store = _Link(), _BatchStore(error=InvalidArgument("past the end"))
+    pipe = _pipeline(link, _Hooks(), store=store)
+    pipe.on_capsule(_inline_write(1))
+    pipe.end_pass()
+    assert _replies(link) == [(1, State.FAILED, 3, len(DATA))]
+    assert capsule.completion_fields(link.sent[0])[-1] == "past the end"
+
+
+def test_a_fua_write_still_takes_its_runner(monkeypatch):
+    _no_runner(monkeypatch)
+    link, store = _Link(), _BatchStore()
+    pipe = _pipeline(link, _Hooks(), store=store)
+    with pytest.raises(AssertionError, match="runner was stepped"):
+        pipe.on_capsule(_inline_write(1, fua=True))
+
+
+@pytest.mark.parametrize("ending", ["cancel", "cancel in the same pass", "deadline"])
+def test_a_queued_write_that_ends_first_writes_nothing(monkeypatch, ending):
+    """A write held by QoS (or not yet in the pass's batch) that is cancelled or passes
+    its deadline ends once, with that status, and never reaches the store."""
+    _no_runner(monkeypatch)
+    link, reactor = _Link(), _Reactor()
+    store = _BatchStore(delay=0.0 if ending == "cancel in the same pass" else 0.5)
+    pipe = _pipeline(link, _Hooks(), reactor=reactor, store=store)
+    pipe.on_capsule(_inline_write(1, deadline_ms=1))
+    if ending == "deadline":
+        pipe.open[1].deadline = 0.0  # passed while it waited
+    else:
+        pipe.cancel(1, "cancelled by request")
+    reactor.fire()
+    pipe.end_pass()
+    reactor.fire()
+    pipe.end_pass()
+    assert store.batches == []
+    status = 4 if ending == "deadline" else 1
+    (reply,) = _replies(link)
+    assert reply[:3] == (1, State.FAILED if ending == "deadline" else State.CANCELLED, status)
