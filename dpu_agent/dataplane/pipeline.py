@@ -382,7 +382,6 @@ class Pipeline(LinkSink):
         except Exception as exc:  # noqa: BLE001 - as a runner's step: the job ends with it
             self._end_raised(job, None, exc)
             return
-        job.bytes_read = write.view.nbytes
         if delay > 0:
             self._arm_sweeper()  # its deadline holds while it waits
             self._reactor.call_later(delay, lambda: self._queue_now(job, write))
@@ -395,6 +394,7 @@ class Pipeline(LinkSink):
         if time.monotonic() > job.deadline:  # as `_advance` checks before each step
             self._end(job, None, State.FAILED, status.DEADLINE_EXCEEDED, "job deadline exceeded")
             return
+        job.bytes_read = write.view.nbytes  # the source is read: it came inline
         self._batch(job, None, write)
 
     def _batch(self, job: JobRecord, run: _Run | None, write: BatchWrite) -> None:
