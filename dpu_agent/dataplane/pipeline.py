@@ -4,7 +4,9 @@ Everything here runs on the reactor thread (`reactor.Reactor`), which owns the
 session's link. Capsules are decoded straight from the receive buffer, admitted
 (`admission.admit`, the path SubmitJob jobs take too), given staging buffers and run:
 each job is a generator from `runners` that the pipeline resumes as its operations
-complete. A finished job frees its queue slot, its COMPLETION is posted (capsule jobs;
+complete. Two kinds of small inline job skip the generator: a CRC-32C is one call
+(`runners.immediate`), a non-durable volume write one entry of the pass's batch of
+store writes (`runners.queued_write`). A finished job frees its queue slot, its COMPLETION is posted (capsule jobs;
 after the job's last WRITE, which RC ordering lands first), and at the end of the
 reactor's pass the pass's finished jobs go to the completion bus and the session's
 watchers in one batch.
