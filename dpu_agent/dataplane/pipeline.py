@@ -6,10 +6,10 @@ session's link. Capsules are decoded straight from the receive buffer, admitted
 each job is a generator from `runners` that the pipeline resumes as its operations
 complete. Two kinds of small inline job skip the generator: a CRC-32C is one call
 (`runners.immediate`), a non-durable volume write one entry of the pass's batch of
-store writes (`runners.queued_write`). A finished job frees its queue slot, its COMPLETION is posted (capsule jobs;
-after the job's last WRITE, which RC ordering lands first), and at the end of the
-reactor's pass the pass's finished jobs go to the completion bus and the session's
-watchers in one batch.
+store writes (`runners.queued_write`). A finished job frees its queue slot, its
+COMPLETION is posted (capsule jobs; after the job's last WRITE, which RC ordering
+lands first), and at the end of the reactor's pass the pass's finished jobs go to the
+completion bus and the session's watchers in one batch.
 
 Cancellation and deadlines end a job at once, even with an operation in flight (the
 job's buffers stay out of the pool until that operation completes); deadlines of jobs

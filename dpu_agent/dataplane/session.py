@@ -34,7 +34,7 @@ from dpu_agent.dataplane.regions import RegionTable
 from dpu_agent.dataplane.staging import Staging
 from dpu_agent.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from dpu_wire import capsule
-from dpu_wire.capsule import State
+from dpu_wire.capsule import U32_MAX, State
 from dpu_wire.transport.base import PeerClosed
 
 if TYPE_CHECKING:
@@ -333,6 +333,8 @@ class Session(SessionHooks):
         if len(self._volumes) >= MAX_ATTACHED_VOLUMES:
             raise ResourceExhausted(f"a session attaches at most {MAX_ATTACHED_VOLUMES} volumes")
         handle = next(self._next_handle)
+        if handle > U32_MAX:  # handles are not reused (data-plane.md 1.4)
+            raise ResourceExhausted(f"{self.name} has used all {U32_MAX} volume handles")
         self._volumes[handle] = volume_id
         self._handles[volume_id] = handle
         return handle

@@ -498,6 +498,23 @@ async def volume_handles(ctx: Ctx) -> None:
     other = await session.attach(two)
     assert 1 <= other < 2**32
     assert other != handle
+    # DetachVolume: the handle stops working and is not reused (section 1.4's text)
+    dst = await session.region(4096, WRITE)
+    read = wire.Kind.VOLUME_READ
+    assert (await session.run(read, wire.ZERO, dst.span(), handle=handle)).ok
+    await session.stubs.sessions.DetachVolume(
+        session_pb2.DetachVolumeRequest(session=session.name, volume=one, request_id=rid())
+    )
+    done = await session.run(read, wire.ZERO, dst.span(), handle=handle)
+    assert (done.state, done.status) == (wire.St.FAILED, 3), done
+    assert await code_of(
+        session.stubs.sessions.DetachVolume(
+            session_pb2.DetachVolumeRequest(session=session.name, volume=one, request_id=rid())
+        )
+    ) == grpc.StatusCode.NOT_FOUND
+    again = await session.attach(one)
+    assert again not in (handle, other)
+    assert (await session.run(read, wire.ZERO, dst.span(), handle=again)).ok
 
 
 async def key_handles(ctx: Ctx) -> None:
