@@ -502,16 +502,17 @@ async def volume_handles(ctx: Ctx) -> None:
     dst = await session.region(4096, WRITE)
     read = wire.Kind.VOLUME_READ
     assert (await session.run(read, wire.ZERO, dst.span(), handle=handle)).ok
-    await session.stubs.sessions.DetachVolume(
-        session_pb2.DetachVolumeRequest(session=session.name, volume=one, request_id=rid())
-    )
+
+    def detach() -> Any:
+        request = session_pb2.DetachVolumeRequest(
+            session=session.name, volume=one, request_id=rid()
+        )
+        return session.stubs.sessions.DetachVolume(request)
+
+    await detach()
     done = await session.run(read, wire.ZERO, dst.span(), handle=handle)
     assert (done.state, done.status) == (wire.St.FAILED, 3), done
-    assert await code_of(
-        session.stubs.sessions.DetachVolume(
-            session_pb2.DetachVolumeRequest(session=session.name, volume=one, request_id=rid())
-        )
-    ) == grpc.StatusCode.NOT_FOUND
+    assert await code_of(detach()) == grpc.StatusCode.NOT_FOUND
     again = await session.attach(one)
     assert again not in (handle, other)
     assert (await session.run(read, wire.ZERO, dst.span(), handle=again)).ok
