@@ -186,12 +186,13 @@ async def reactor(spin: float = 0.002) -> AsyncIterator[Reactor]:
         await asyncio.to_thread(r.stop)
 
 
-async def tcp_pair(r: Reactor) -> tuple[HostEnd, AgentEnd]:
-    """A connected tcp host link and agent link (the agent's on `r`)."""
+async def tcp_pair(r: Reactor, queue_depth: int = 1) -> tuple[HostEnd, AgentEnd]:
+    """A connected tcp host link and agent link (the agent's on `r`, for a session of
+    `queue_depth`)."""
     host = tcp.TcpHostLink()
     host.listen()
     sock, token = await tcp.dial(host.address)
-    agent = AgentEnd(tcp.TcpAgentLink(sock, token), r)
+    agent = AgentEnd(tcp.TcpAgentLink(sock, token, queue_depth=queue_depth), r)
     await host.connect(agent.link.address)
     host_end = HostEnd(host)
     host_end.start()

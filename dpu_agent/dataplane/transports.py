@@ -23,7 +23,7 @@ from dpu_agent.config import ConfigError
 from dpu_agent.dataplane.hostpolicy import Allow, check_host, parse_allow
 from dpu_agent.dataplane.manager import TRANSPORT_TCP, TRANSPORT_VERBS
 from dpu_wire.transport import tcp
-from dpu_wire.transport.base import TcpAddress, TransportError, max_waiting
+from dpu_wire.transport.base import TcpAddress, TransportError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -76,7 +76,7 @@ async def _tcp(  # noqa: PLR0913, PLR0917 - a LinkFactory (host, queue_depth, pe
         token,
         op_timeout=op_timeout,
         inline_max=inline_max,
-        max_unanswered=max_waiting(queue_depth),
+        queue_depth=queue_depth,
     )
 
 

@@ -72,7 +72,6 @@ OP_TIMEOUT: Final = 30.0  # a READ or WRITE the host leaves unanswered this long
 MAX_CANDIDATES: Final = 8  # connections a host holds while it waits for the agent's HELLO
 _RX_BUFFER: Final = 1 << 16
 _IOV_MAX: Final = 512  # buffers per sendmsg (Linux IOV_MAX is 1024)
-EAGER_FLUSH: Final = 4  # the agent writes its capsules out every 4, not only at a pass's end
 _SEND_CHUNK: Final = 1 << 22  # bytes per sendmsg: keeps one session from hogging the loop
 
 
@@ -472,6 +471,19 @@ class _Request(NamedTuple):
     sent: float  # monotonic time it was queued
 
 
+def eager_flush(queue_depth: int) -> int:
+    """Capsules the agent queues before it writes them out, not only at a pass's end.
+
+    A quarter of the session's queue depth (at least 1): with `queue_depth` jobs in
+    flight the host gets its completions in about four groups per round, so it can
+    resubmit while the agent works on the rest, and a job costs at most 4/queue_depth
+    `sendmsg` calls. Measured against a fixed 4 (three rounds each, 2026-11-27):
+    crc32c jobs 4 KiB x8 168-188 MB/s at 4, 196-206 at 2, 185-192 at 1; 4 KiB reads
+    at QD32 20.0-21.6k IOPS at 4, 21.4-23.1k at 8.
+    """
+    return max(1, queue_depth // 4)
+
+
 class TcpAgentLink(AgentLink, FrameHandler):
     """Agent side: moves bytes with READ/WRITE frames; driven by the reactor.
 
@@ -483,7 +495,8 @@ class TcpAgentLink(AgentLink, FrameHandler):
     submits jobs and answers none of their WRITEs would otherwise make the link keep a
     record of each until `op_timeout`), and so does a capsule queued behind more than
     `max_unanswered` frames that the socket has not taken (a host that sends SUBMITs and
-    reads nothing would otherwise make it keep every COMPLETION).
+    reads nothing would otherwise make it keep every COMPLETION). `max_unanswered` is
+    `max_waiting(queue_depth)`; capsules go out every `eager_flush(queue_depth)`.
     """
 
     def __init__(
@@ -493,7 +506,7 @@ class TcpAgentLink(AgentLink, FrameHandler):
         *,
         op_timeout: float = OP_TIMEOUT,
         inline_max: int = 0,
-        max_unanswered: int = max_waiting(1),
+        queue_depth: int = 1,
     ) -> None:
         if not 0 <= inline_max <= MAX_INLINE:
             raise ValueError(f"inline_max must be 0..{MAX_INLINE}, not {inline_max}")
@@ -502,7 +515,8 @@ class TcpAgentLink(AgentLink, FrameHandler):
         self._op_timeout = op_timeout
         self._next_req = 1
         self._requests: dict[int, _Request] = {}
-        self._max_unanswered = max_unanswered
+        self._max_unanswered = max_waiting(queue_depth)
+        self._eager_flush = eager_flush(queue_depth)
         self.inline_max = inline_max
         # one capsule at a time: the longest is an INLINE SUBMIT of inline_max bytes
         self._capsule = bytearray(max(MAX_CAPSULE, SUBMIT_SIZE + inline_max))
@@ -597,7 +611,7 @@ class TcpAgentLink(AgentLink, FrameHandler):
         sent = None if token is None else (lambda: self._done.append(token))
         self._stream.queue(pack(FrameType.CAPSULE, length=len(capsule)), capsule, sent)
         self._capsules += 1
-        if self._capsules >= EAGER_FLUSH:
+        if self._capsules >= self._eager_flush:
             self.flush()
 
     def flush(self) -> None:

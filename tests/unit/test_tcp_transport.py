@@ -331,11 +331,15 @@ async def test_sends_within_one_turn_of_the_loop_leave_in_two_system_calls():
         await host.close()
 
 
-async def test_the_agent_writes_its_capsules_out_every_four_within_a_pass():
-    """Ten capsules posted in one pass of the reactor leave in three writes (4, 4, and the
-    last 2 at the end of the pass): the host starts on the first ones meanwhile."""
+@pytest.mark.parametrize(
+    ("queue_depth", "writes"), [(1, [2] * 10), (8, [4] * 5), (16, [8, 8, 4]), (64, [20])]
+)
+async def test_the_agent_writes_its_capsules_out_every_quarter_queue_depth(queue_depth, writes):
+    """Ten capsules posted in one pass of the reactor leave every `queue_depth // 4` (at
+    least 1; the rest at the end of the pass): the host starts on the first ones
+    meanwhile. `writes`: the buffers of each sendmsg, a header and a payload each."""
     async with reactor() as r:
-        host, agent = await tcp_pair(r)
+        host, agent = await tcp_pair(r, queue_depth)
         link = agent.link
         assert isinstance(link, tcp.TcpAgentLink)
         calls: list[int] = []
@@ -349,7 +353,7 @@ async def test_the_agent_writes_its_capsules_out_every_four_within_a_pass():
 
         await r.call_async(post_all)
         assert [await host.recv() for _ in capsules] == capsules
-        assert calls == [8, 8, 4]  # a header and a payload per capsule
+        assert calls == writes
         await agent.close()
         await host.close()
 
