@@ -394,7 +394,7 @@ class Pipeline(LinkSink):
         if job.done:  # cancelled, or past its deadline, while it waited
             return
         if time.monotonic() > job.deadline:  # as `_advance` checks before each step
-            self._end(job, None, State.FAILED, status.DEADLINE_EXCEEDED, "job deadline exceeded")
+            self._end_late(job, None)
             return
         job.bytes_read = write.view.nbytes  # the source is read: it came inline
         self._batch(job, None, write)
@@ -406,6 +406,10 @@ class Pipeline(LinkSink):
         self._writes.append((job, run, write))
         if run is not None:
             run.pending += 1
+
+    def _end_late(self, job: JobRecord, run: _Run | None) -> None:
+        """End a job whose deadline passed (each place that checks it calls this)."""
+        self._end(job, run, State.FAILED, status.DEADLINE_EXCEEDED, "job deadline exceeded")
 
     def _end_raised(self, job: JobRecord, run: _Run | None, exc: Exception) -> None:
         """End a job whose step raised `exc`: its domain status, or INTERNAL for a bug."""
@@ -434,7 +438,7 @@ class Pipeline(LinkSink):
                 self._end(job, run, State.CANCELLED, status.CANCELLED, "cancelled by request")
                 return
             if time.monotonic() > job.deadline:
-                self._end(job, run, State.FAILED, status.DEADLINE_EXCEEDED, "job deadline exceeded")
+                self._end_late(job, run)
                 return
             try:
                 op = gen.throw(error) if error is not None else gen.send(value)
@@ -540,7 +544,7 @@ class Pipeline(LinkSink):
         if error is not None:
             self._end_raised(job, None, error)
         elif time.monotonic() > job.deadline:
-            self._end(job, None, State.FAILED, status.DEADLINE_EXCEEDED, "job deadline exceeded")
+            self._end_late(job, None)
         else:
             self._end(job, None, State.SUCCEEDED, status.OK, "")
 
@@ -681,10 +685,7 @@ class Pipeline(LinkSink):
         self._sweeper = None
         now = time.monotonic()
         for job in [j for j in self.open.values() if now > j.deadline]:
-            self._end(
-                job, self._run_of.get(job.job_id), State.FAILED, status.DEADLINE_EXCEEDED,
-                "job deadline exceeded",
-            )  # fmt: skip
+            self._end_late(job, self._run_of.get(job.job_id))
         if any(now > job.deadline for job, _ in self._waiting):
             waiting, self._waiting = self._waiting, collections.deque()
             for job, answer in waiting:
