@@ -84,6 +84,21 @@ class Transform(abc.ABC):
         during the call (it may be a view of a reused buffer).
         """
 
+    def feed_into(
+        self, data: bytes | memoryview, out: memoryview, step: int, *, last: bool = False
+    ) -> tuple[int, bytes | memoryview]:
+        """`feed`, with the output's first bytes placed in `out`: (how many, the rest).
+
+        `out` is the free part of the job's output buffer. Called on the compute worker,
+        so the copy into it is the worker's, not the reactor's; a transform that can
+        write its output there directly does (`_Encrypt`). The rest is non-empty only
+        when `out` is full.
+        """
+        produced = memoryview(self.feed(data, step, last=last))
+        placed = min(len(produced), len(out))
+        out[:placed] = produced[:placed]
+        return placed, produced[placed:]
+
     def more(self) -> bool:
         """Whether the input given so far has output left (call `feed(b"", step)`)."""
         return False
@@ -209,6 +224,21 @@ class _Encrypt(Transform):
 
     def feed(self, data: bytes | memoryview, step: int, *, last: bool = False) -> bytes:  # noqa: ARG002 - see feed
         return self._enc.update(data)
+
+    def feed_into(
+        self,
+        data: bytes | memoryview,
+        out: memoryview,
+        step: int,  # noqa: ARG002 - see feed
+        *,
+        last: bool = False,  # noqa: ARG002 - see feed
+    ) -> tuple[int, bytes | memoryview]:
+        """Encrypt straight into `out` (GCM's output is as long as its input)."""
+        view = memoryview(data)
+        placed = min(len(view), len(out))
+        if placed:
+            self._enc.update_into(view[:placed], out[:placed])
+        return placed, self._enc.update(view[placed:]) if placed < len(view) else b""
 
     def finish(self) -> bytes:
         return self._enc.finalize() + self._enc.tag

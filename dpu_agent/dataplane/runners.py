@@ -209,58 +209,81 @@ def sha256(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Run
     job.result = SHA256_BYTES
 
 
+class _Output:
+    """A transform's output buffer: filled by the worker or by copies, WRITTEN when full."""
+
+    def __init__(self, job: JobRecord, outbuf: Buffer) -> None:
+        self.job = job
+        self.outbuf = outbuf
+        self.held = 0  # output bytes in outbuf, not yet written
+        self.written = 0
+
+    def drain(self, *, last: bool) -> Runner:
+        """WRITE what outbuf holds."""
+        dst = self.job.destination
+        yield Write(self.outbuf, 0, self.held, dst.addr + self.written, dst.rkey, last)
+        self.written += self.held
+        self.job.bytes_written = self.written
+        self.held = 0
+
+    def check(self, more: int) -> None:
+        """Fail the job before `more` output bytes past the destination are written."""
+        job = self.job
+        if self.written + self.held + more > job.destination.length:
+            raise InvalidArgument(
+                f"{job.row.field}: the output does not fit the destination "
+                f"({job.destination.length} bytes)"
+            )
+
+    def put(self, data: bytes | memoryview) -> Runner:
+        """Copy `data` into outbuf, WRITING each time it fills."""
+        self.check(len(data))
+        step, view = self.outbuf.size, memoryview(data)
+        while view:
+            take = min(step - self.held, len(view))
+            self.outbuf.view[self.held : self.held + take] = view[:take]
+            self.held += take
+            view = view[take:]
+            if self.held == step:
+                yield from self.drain(last=False)
+
+    def work(self, kernel: compute.Transform, data: memoryview | bytes, *, last: bool) -> Runner:
+        """Feed `data` on a worker, which places the output in outbuf's free part itself."""
+        step = self.outbuf.size
+        room = self.outbuf.view[self.held : step]
+        placed, rest = yield Work(functools.partial(kernel.feed_into, data, room, step, last=last))
+        self.check(placed + len(rest))
+        self.held += placed
+        if self.held == step:
+            yield from self.drain(last=False)
+        yield from self.put(rest)
+
+
 def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runner:
     """COMPRESS, DECOMPRESS, ENCRYPT, DECRYPT: stream the source through a transform.
 
     The output is WRITTEN to the destination as it fills a staging buffer; output past
     the destination's length fails the job (INVALID_ARGUMENT) with what fit written.
+    The worker places each chunk's output in that buffer itself (`Transform.feed_into`),
+    so the reactor copies only what overflows it.
     """
     inbuf, outbuf = buffers
-    src, dst = job.source, job.destination
-    step = outbuf.size
+    src = job.source
     kernel = compute.transform(job.kind, job.parameter, job.key, src.length)
-    held = 0  # output bytes in outbuf, not yet written
-    written = 0
-
-    def drain(*, last: bool) -> Runner:
-        """WRITE what outbuf holds."""
-        nonlocal held, written
-        yield Write(outbuf, 0, held, dst.addr + written, dst.rkey, last)
-        written += held
-        job.bytes_written = written
-        held = 0
-
-    def put(data: bytes) -> Runner:
-        """Copy `data` into outbuf, WRITING each time it fills."""
-        nonlocal held
-        if written + held + len(data) > dst.length:
-            raise InvalidArgument(
-                f"{job.row.field}: the output does not fit the destination ({dst.length} bytes)"
-            )
-        view = memoryview(data)
-        while view:
-            take = min(step - held, len(view))
-            outbuf.view[held : held + take] = view[:take]
-            held += take
-            view = view[take:]
-            if held == step:
-                yield from drain(last=False)
-
-    yield from put(kernel.start())
+    out = _Output(job, outbuf)
+    yield from out.put(kernel.start())
     for offset, size in _chunks(src.length, inbuf.size):
         yield Read(inbuf, 0, size, src.addr + offset, src.rkey)
         job.bytes_read += size
         last = offset + size == src.length
         # The kernel reads inbuf in place: the next READ waits for this Work to end.
-        yield from put(
-            (yield Work(functools.partial(kernel.feed, inbuf.view[:size], step, last=last)))
-        )
+        yield from out.work(kernel, inbuf.view[:size], last=last)
         while kernel.more():
-            yield from put((yield Work(functools.partial(kernel.feed, b"", step, last=last))))
-    yield from put(kernel.finish())  # a few bytes and a check: no worker round trip
-    if held:
-        yield from drain(last=True)
-    job.result = written
+            yield from out.work(kernel, b"", last=last)
+    yield from out.put(kernel.finish())  # a few bytes and a check: no worker round trip
+    if out.held:
+        yield from out.drain(last=True)
+    job.result = out.written
 
 
 def volume_write(job: JobRecord, buffers: list[Buffer], store: Storage | None) -> Runner:

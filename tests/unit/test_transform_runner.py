@@ -69,7 +69,8 @@ def run(kind: JobKind, source: bytes, dst_len: int, parameter: int = 0) -> tuple
             dest[op.addr : op.addr + op.length] = op.buffer.view[op.offset : op.offset + op.length]
         elif isinstance(op, runners.Work):
             value = op.fn()
-            largest = max(largest, len(value))
+            placed, rest = value
+            largest = max(largest, placed + len(rest))
     assert job.result == job.bytes_written
     return bytes(dest[: job.result]), largest
 
@@ -151,3 +152,25 @@ def test_one_shot_zstd_jobs_reuse_their_worker_threads_compressor():
     assert made == [threading.current_thread().name, "w2"]  # one per thread, not per job
     for i, packed in enumerate(outputs):  # and the same frames a fresh one writes
         assert packed == real(level=compute.ZSTD_LEVEL).compress(DATA[i : i + STEP // 2])
+
+
+@pytest.mark.parametrize("room", [0, 1, 16, 25, 40])
+def test_encryption_places_its_output_in_the_buffer_it_is_given(room):
+    """The worker encrypts into the job's staging buffer (update_into): no copy on the reactor."""
+    kernel = compute.transform(JobKind.ENCRYPT, 0, KEY, 25)
+    nonce = kernel.start()
+    out = memoryview(bytearray(room))
+    placed, rest = kernel.feed_into(DATA[:25], out, STEP, last=True)
+    assert placed == min(room, 25)
+    assert len(rest) == 25 - placed  # the rest only once the buffer is full
+    sealed = bytes(out[:placed]) + bytes(rest) + kernel.finish()
+    assert AESGCM(KEY).decrypt(nonce, sealed, None) == DATA[:25]
+
+
+def test_a_transform_without_its_own_feed_into_places_what_fits():
+    kernel = compute.transform(JobKind.COMPRESS, 2, KEY, len(DATA))
+    out = memoryview(bytearray(100))
+    placed, rest = kernel.feed_into(DATA, out, STEP, last=True)
+    assert placed == 100
+    packed = bytes(out) + bytes(rest) + kernel.finish()
+    assert zstandard.ZstdDecompressor().decompress(packed) == DATA
