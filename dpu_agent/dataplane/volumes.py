@@ -54,5 +54,10 @@ class TenantVolumes:
         self._store.trim(self._owned(volume_id), offset, length)
 
     def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
-        """Seconds to wait before this I/O under the volume's QoS limits (0: none)."""
-        return self._store.throttle(volume_id, op, nbytes)
+        """Seconds to wait before this I/O under the volume's QoS limits (0: none).
+
+        Checked like the I/O itself: the tokens are taken before the I/O is tried, so a
+        handle to a volume another tenant has made again under the same id must not
+        spend that volume's budget.
+        """
+        return self._store.throttle(self._owned(volume_id), op, nbytes)

@@ -7,7 +7,7 @@ import pytest
 
 from dpu_agent.dataplane.volumes import TenantVolumes
 from dpu_agent.errors import FailedPrecondition, InvalidArgument, NotFound
-from dpu_agent.storage import Compression, DataServices
+from dpu_agent.storage import Compression, DataServices, QosLimits
 from dpu_agent.storage.exports import GuardedVolumeStore, VolumeExports
 
 from .conftest import ALL_SERVICES, MiB, make_store, services_id
@@ -138,3 +138,15 @@ def test_a_write_of_more_blocks_than_one_vectored_write_takes(store, compression
     store.write_batch([("v", MiB, data[:4096]), ("v", 0, data[4096:8192])])
     assert store.read("v", 0, MiB) == data[4096:8192] + data[4096:MiB]
     assert store.read("v", MiB, MiB) == data[:4096] + bytes(MiB - 4096)
+
+
+def test_a_foreign_volume_spends_none_of_its_qos_budget(store):
+    """A handle kept after its volume was deleted and made again by another tenant under
+    the same id: its I/O fails NOT_FOUND, and it must not take that volume's tokens
+    (the throttle runs before the I/O is tried)."""
+    store.create("data", MiB, 4096, DataServices(), tenant="t2", qos=QosLimits(write_iops=20))
+    tenant = TenantVolumes(store, "t1")
+    for _ in range(50):
+        with pytest.raises(NotFound):
+            tenant.throttle("data", "write", 4096)
+    assert TenantVolumes(store, "t2").throttle("data", "write", 4096) == 0.0
