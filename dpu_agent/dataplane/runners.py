@@ -324,8 +324,9 @@ def volume_flush(job: JobRecord, _buffers: list[Buffer], store: Storage | None) 
 
 
 def volume_trim(job: JobRecord, _buffers: list[Buffer], store: Storage | None) -> Runner:
-    """The range reads as zeros afterwards."""
+    """The range reads as zeros afterwards; one write operation for QoS (no bytes)."""
     storage = _require(store)
+    yield from _throttle(storage, job, "write", 0)
     yield Io(_bind(storage.trim, job.volume_id, job.offset, job.length), blocking=True)
 
 

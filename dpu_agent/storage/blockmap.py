@@ -21,7 +21,7 @@ from array import array
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterable, Iterator
 
 CHUNK_SHIFT: Final = 8
 CHUNK_BLOCKS: Final = 1 << CHUNK_SHIFT
@@ -149,12 +149,22 @@ class BlockMap:
         return old
 
     def present(self, first: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
-        """(block, phys word) of every entry (data or ZERO) in [first, end), in order."""
-        for index in sorted(self.chunks):
+        """(block, phys word) of every entry (data or ZERO) in [first, end), in order.
+
+        Looks only at the chunks the range covers: a short range of a large map (a trim's
+        slice) costs what the range holds, not what the map holds.
+        """
+        chunks = self.chunks
+        if end is None or (end - first) >> CHUNK_SHIFT >= len(chunks):
+            indices: Iterable[int] = sorted(chunks)
+        else:
+            indices = range(first >> CHUNK_SHIFT, ((end - 1) >> CHUNK_SHIFT) + 1)
+        for index in indices:
+            chunk = chunks.get(index)
             base = index << CHUNK_SHIFT
-            if base + CHUNK_BLOCKS <= first or (end is not None and base >= end):
+            if chunk is None or base + CHUNK_BLOCKS <= first or (end is not None and base >= end):
                 continue
-            phys = self.chunks[index].phys
+            phys = chunk.phys
             for i, p in enumerate(phys):
                 if p and base + i >= first and (end is None or base + i < end):
                     yield base + i, p

@@ -245,16 +245,27 @@ class State:
 
     def apply_trim(self, number: int, first: int, count: int) -> list[Free]:
         """Blocks read as zeros again: dropped, or ZERO where a parent has data."""
+        return self.trim(number, first, count)[0]
+
+    def trim(self, number: int, first: int, count: int) -> tuple[list[Free], bool]:
+        """`apply_trim`, and whether it changed anything (a block already trimmed does not)."""
         node = self.node(number)
         end = first + count
         shadowed = visible_in_parents(node, first, end)
+        bmap = node.map
+        own = list(bmap.present(first, end))
         freed = []
-        for block, phys in list(node.map.present(first, end)):
+        changed = False
+        for block, phys in own:
             if block not in shadowed:
-                node.map.clear(block)
+                bmap.clear(block)
                 freed.append(phys)
-        freed.extend(node.map.put(block, ZERO) for block in shadowed)
-        return _frees(node, freed, discard=True)
+                changed = True
+        zero = {block for block, phys in own if phys == ZERO}
+        for block in shadowed - zero:
+            freed.append(bmap.put(block, ZERO))
+            changed = True
+        return _frees(node, freed, discard=True), changed
 
     def apply_snapshot(self, number: int, snapshot: Node) -> list[Free]:
         """Freeze a volume: its map becomes the snapshot's, the volume starts a new one."""

@@ -159,6 +159,8 @@ class QosLimits(_message.Message):
     """Per-volume I/O limits, enforced on the DPU by token buckets (1 s of burst); a
     throttled job waits, it is never failed or dropped. 0 = no limit; otherwise IOPS
     1..10,000,000 and bytes/s 65,536..1,099,511,627,776 (INVALID_ARGUMENT outside).
+    A VOLUME_TRIM counts as one write operation of no bytes; VOLUME_FLUSH is not
+    limited.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -310,3 +310,21 @@ def test_a_queued_write_that_ends_first_writes_nothing(monkeypatch, ending):
     # as the runner's: the inline source counts as read once QoS let the write through
     read = len(DATA) if ending == "cancel in the same pass" else 0
     assert reply == (1, state, status, read)
+
+
+def test_a_trim_waits_for_its_write_operation_under_qos():
+    """A VOLUME_TRIM is one write operation of no bytes for the volume's QoS (storage.proto)."""
+    asked = []
+
+    class Throttled(_Store):
+        def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
+            asked.append((volume_id, op, nbytes))
+            return 0.25
+
+    job = JobRecord(
+        1, JobKind.VOLUME_TRIM, Span(), Span(), Origin.CAPSULE, 1e12,
+        volume_id="v", offset=0, length=4096,
+    )  # fmt: skip
+    op = next(runners.volume_trim(job, [], _storage(Throttled())))
+    assert op == runners.Sleep(0.25)
+    assert asked == [("v", "write", 0)]
