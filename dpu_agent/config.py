@@ -88,6 +88,7 @@ Example file (every key optional):
     [quota]                       # per tenant; 0 = no limit
     max_volumes = 0
     max_volume_bytes = 0          # total size of the tenant's volumes
+    max_snapshots = 1024          # snapshots of a tenant (on by default)
     max_sessions = 16             # open sessions of a tenant (on by default)
     max_queue_depth = 0           # jobs in flight over all the tenant's sessions
     max_flow_rules = 0
@@ -191,6 +192,7 @@ class AgentConfig:
     auth_tokens_file: str = ""
     quota_max_volumes: int = 0
     quota_max_volume_bytes: int = 0
+    quota_max_snapshots: int = 1024
     quota_max_sessions: int = 16
     quota_max_queue_depth: int = 0
     quota_max_flow_rules: int = 0
@@ -598,6 +600,7 @@ SETTINGS: Final = (
         for key, parse, text in (
             ("max_volumes", _integer(1, 1 << 20, NO_LIMIT), "volumes per tenant"),
             ("max_volume_bytes", _integer(1, 1 << 62, NO_LIMIT), "volume bytes per tenant"),
+            ("max_snapshots", _integer(1, 1 << 20, NO_LIMIT), "snapshots per tenant"),
             ("max_sessions", _integer(1, 4096, NO_LIMIT), "sessions per tenant"),
             ("max_queue_depth", _integer(1, 1 << 22, NO_LIMIT), "jobs in flight per tenant"),
             ("max_flow_rules", _integer(1, 1 << 20, NO_LIMIT), "flow rules per tenant"),

@@ -7,6 +7,9 @@ concurrent calls cannot both slip under a limit. Admins are bound like everyone 
 
 - max_volumes, max_volume_bytes: volumes a tenant owns and their total size (create,
   resize). Enforced by the StorageService.
+- max_snapshots: snapshots a tenant owns (they outlive their volumes, and one of an
+  empty volume holds no bytes: only a count bounds them). On by default (1024).
+  Enforced by the StorageService.
 - max_sessions, max_queue_depth: open sessions and the sum of their queue depths,
   i.e. the jobs a tenant may have in flight at once. Enforced by the SessionManager.
 - max_flow_rules: flow rules a tenant owns. Enforced by the NetworkService.
@@ -29,6 +32,7 @@ class Quotas:
 
     max_volumes: int = 0
     max_volume_bytes: int = 0
+    max_snapshots: int = 0
     max_sessions: int = 0
     max_queue_depth: int = 0
     max_flow_rules: int = 0
@@ -39,6 +43,7 @@ class Quotas:
         return cls(
             max_volumes=config.quota_max_volumes,
             max_volume_bytes=config.quota_max_volume_bytes,
+            max_snapshots=config.quota_max_snapshots,
             max_sessions=config.quota_max_sessions,
             max_queue_depth=config.quota_max_queue_depth,
             max_flow_rules=config.quota_max_flow_rules,
@@ -48,6 +53,10 @@ class Quotas:
         """`count` volumes of `size_bytes` in total would be within the tenant's quota."""
         _check(tenant, "max_volumes", self.max_volumes, count, "volumes")
         _check(tenant, "max_volume_bytes", self.max_volume_bytes, size_bytes, "bytes of volumes")
+
+    def check_snapshots(self, tenant: str, count: int) -> None:
+        """`count` snapshots would be within the tenant's quota."""
+        _check(tenant, "max_snapshots", self.max_snapshots, count, "snapshots")
 
     def check_sessions(self, tenant: str, count: int, queue_depth: int) -> None:
         """`count` sessions with `queue_depth` jobs in flight in total would fit."""

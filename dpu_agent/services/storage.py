@@ -9,7 +9,9 @@ Quotas (`[quota] max_volumes`, `max_volume_bytes`) bound what a tenant can come 
 hold, so that no write ever fails on a quota: its volumes count their provisioned
 size (a clone too: it may be overwritten in full), its snapshots the bytes they hold
 (what was written before them, which they keep while the volume moves on). They are
-checked by create, clone, growth and snapshot.
+checked by create, clone, growth and snapshot. `max_snapshots` bounds the number of
+snapshots (1024 by default): a snapshot of an empty volume holds no bytes, and
+snapshots outlive their volumes, so without it a tenant could pile them up for free.
 """
 
 from __future__ import annotations
@@ -173,12 +175,16 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         stats = await asyncio.to_thread(self._store.stats, ident)
         return to_proto(info, stats)
 
-    async def _check_quota(self, tenant: str, volumes: int, more_bytes: int) -> None:
-        """The tenant's holdings plus `volumes` volumes and `more_bytes` would fit its quota."""
+    async def _check_quota(
+        self, tenant: str, volumes: int, more_bytes: int, snapshots: int = 0
+    ) -> None:
+        """The tenant's holdings and `volumes`, `more_bytes`, `snapshots` more would fit."""
         owned = [v for v in await asyncio.to_thread(self._store.list) if v.tenant == tenant]
         snaps = [
             s for s in await asyncio.to_thread(self._store.list_snapshots) if s.tenant == tenant
         ]
+        if snapshots:
+            self._quotas.check_snapshots(tenant, len(snaps) + snapshots)
         held = sum(v.size_bytes for v in owned) + sum(s.allocated_bytes for s in snaps)
         self._quotas.check_volumes(tenant, len(owned) + volumes, held + more_bytes)
 
@@ -337,7 +343,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         async with self._changes:
             volume = await self._owned(source)
             held = (await asyncio.to_thread(self._store.stats, source)).allocated_bytes
-            await self._check_quota(volume.tenant, 0, held)  # the snapshot takes them over
+            await self._check_quota(volume.tenant, 0, held, 1)  # the snapshot takes them over
             info = await asyncio.to_thread(self._store.create_snapshot, source, request.snapshot_id)
         self._remember("snapshot", tenant, request.request_id, info.snapshot_id)
         return snapshot_to(info)

@@ -135,6 +135,8 @@ class StorageServiceServicer:
         """Takes a read-only snapshot of a volume: every write acknowledged before the
         call, durably. Allowed while a block function exports the volume: the snapshot
         is then crash-consistent (what the disk held at that instant).
+        RESOURCE_EXHAUSTED past the tenant's quota: [quota] max_snapshots (1024 by
+        default), or max_volume_bytes (the snapshot takes over the bytes the volume holds).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -58,6 +58,8 @@ class StorageServiceStub:
     """Takes a read-only snapshot of a volume: every write acknowledged before the
     call, durably. Allowed while a block function exports the volume: the snapshot
     is then crash-consistent (what the disk held at that instant).
+    RESOURCE_EXHAUSTED past the tenant's quota: [quota] max_snapshots (1024 by
+    default), or max_volume_bytes (the snapshot takes over the bytes the volume holds).
     """
     GetSnapshot: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetSnapshotRequest, _storage_pb2.Snapshot]
     ListSnapshots: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ListSnapshotsRequest, _storage_pb2.ListSnapshotsResponse]
@@ -85,6 +87,8 @@ class StorageServiceAsyncStub(StorageServiceStub):
     """Takes a read-only snapshot of a volume: every write acknowledged before the
     call, durably. Allowed while a block function exports the volume: the snapshot
     is then crash-consistent (what the disk held at that instant).
+    RESOURCE_EXHAUSTED past the tenant's quota: [quota] max_snapshots (1024 by
+    default), or max_volume_bytes (the snapshot takes over the bytes the volume holds).
     """
     GetSnapshot: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetSnapshotRequest, _storage_pb2.Snapshot]  # type: ignore[assignment]
     ListSnapshots: _aio.UnaryUnaryMultiCallable[_storage_pb2.ListSnapshotsRequest, _storage_pb2.ListSnapshotsResponse]  # type: ignore[assignment]
@@ -151,6 +155,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         """Takes a read-only snapshot of a volume: every write acknowledged before the
         call, durably. Allowed while a block function exports the volume: the snapshot
         is then crash-consistent (what the disk held at that instant).
+        RESOURCE_EXHAUSTED past the tenant's quota: [quota] max_snapshots (1024 by
+        default), or max_volume_bytes (the snapshot takes over the bytes the volume holds).
         """
 
     @_abc_1.abstractmethod

@@ -377,6 +377,7 @@ QUOTAS = {
     "DPU_AGENT_QUOTA_MAX_SESSIONS": "2",
     "DPU_AGENT_QUOTA_MAX_QUEUE_DEPTH": "8",
     "DPU_AGENT_QUOTA_MAX_FLOW_RULES": "1",
+    "DPU_AGENT_QUOTA_MAX_SNAPSHOTS": "2",
     "DPU_AGENT_NETWORK_BACKEND": "memory",
 }
 
@@ -447,6 +448,36 @@ async def test_concurrent_opens_cannot_slip_past_the_session_quota(quota_agent, 
         finally:
             for session in sessions:
                 await session.close()
+
+
+@pytest.mark.asyncio
+async def test_snapshot_quota_counts_snapshots_that_hold_nothing_and_outlive_their_volume(
+    quota_agent, pki
+):
+    """A snapshot of an empty volume holds no bytes, and snapshots outlive their volume:
+    without max_snapshots, create-snapshot-delete piled them up for free (an audit)."""
+    async with (  # tenants of their own: the volume quota test leaves A at max_volumes
+        tenant(quota_agent, pki, "tenant-c") as a,
+        tenant(quota_agent, pki, "tenant-d") as b,
+    ):
+        await a.create_volume("sq", MiB)
+        await a.create_snapshot("sq-1", "volumes/sq")
+        await a.delete_volume("volumes/sq")
+        await a.create_volume("sq", MiB)
+        await a.create_snapshot("sq-2", "volumes/sq")
+        with pytest.raises(host_client.ResourceExhaustedError, match="max_snapshots") as hit:
+            await a.create_snapshot("sq-3", "volumes/sq")
+        assert "tenant 'tenant-c' would hold 3 snapshots; its quota is 2" in hit.value.message
+        assert {s.name for s in await a.list_snapshots()} == {"snapshots/sq-1", "snapshots/sq-2"}
+        await b.create_volume("sq-b", MiB)  # per tenant: B has its own
+        await b.create_snapshot("sq-b-1", "volumes/sq-b")
+        await a.delete_snapshot("snapshots/sq-1")
+        await a.create_snapshot("sq-3", "volumes/sq")
+        for name in ("snapshots/sq-2", "snapshots/sq-3"):
+            await a.delete_snapshot(name)
+        await b.delete_snapshot("snapshots/sq-b-1")
+        await a.delete_volume("volumes/sq")
+        await b.delete_volume("volumes/sq-b")
 
 
 @pytest.mark.asyncio
