@@ -25,6 +25,7 @@ from dpu_agent.errors import InvalidArgument
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_agent.storage import Compression, DataServices, Encryption, QosLimits
+from dpu_agent.storage.validate import check_block_size, check_size
 from dpu_wire import names
 from dpu_wire.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 
@@ -188,6 +189,14 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         held = sum(v.size_bytes for v in owned) + sum(s.allocated_bytes for s in snaps)
         self._quotas.check_volumes(tenant, len(owned) + volumes, held + more_bytes)
 
+    def _check_size(self, size_bytes: int, block_size: int) -> None:
+        """INVALID_ARGUMENT for a size the store refuses, before any quota is weighed.
+
+        The store checks again; checking here too makes the answer to a bad size the
+        same whether a quota is set or not.
+        """
+        check_size(size_bytes, block_size, self._store.max_volume_bytes)
+
     def _remembered(self, kind: str, tenant: str, request_id: str) -> str | None:
         return self._created.get((kind, tenant, request_id)) if request_id else None
 
@@ -217,6 +226,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
             compression=_COMPRESSION[spec.data_services.compression],
             encryption=_ENCRYPTION[spec.data_services.encryption],
         )
+        self._check_size(spec.size_bytes, check_block_size(spec.block_size or 4096))
         async with self._changes:
             await self._check_quota(tenant, 1, spec.size_bytes)
             info = await asyncio.to_thread(
@@ -247,6 +257,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         async with self._changes:
             snap = await self._owned_snapshot(source)
             size = spec.size_bytes or snap.size_bytes
+            self._check_size(size, snap.block_size)
             await self._check_quota(snap.tenant, 1, size)
             info = await asyncio.to_thread(
                 lambda: self._store.clone(
@@ -310,6 +321,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         ident = volume_id(request.name)
         async with self._changes:
             info = await self._owned(ident)
+            self._check_size(request.size_bytes, info.block_size)
             if request.size_bytes > info.size_bytes:
                 await self._check_quota(info.tenant, 0, request.size_bytes - info.size_bytes)
             resized = await asyncio.to_thread(

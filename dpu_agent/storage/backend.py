@@ -86,6 +86,11 @@ def screened_batch(
 class VolumeStore(abc.ABC):
     """Block volumes with per-block data services. A context manager; `close()` twice is fine."""
 
+    @property
+    @abc.abstractmethod
+    def max_volume_bytes(self) -> int:
+        """The largest volume this store creates (`create`, `clone` and `resize` check it)."""
+
     @abc.abstractmethod
     def create(  # noqa: PLR0913 - a volume's settings and its owner
         self,

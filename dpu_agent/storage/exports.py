@@ -82,6 +82,11 @@ class GuardedVolumeStore(VolumeStore):
         self.inner = inner
         self.exports = exports
 
+    @property
+    def max_volume_bytes(self) -> int:
+        """See `VolumeStore.max_volume_bytes`."""
+        return self.inner.max_volume_bytes
+
     def create(  # noqa: PLR0913 - a volume's settings and its owner
         self,
         volume_id: str,

@@ -481,6 +481,26 @@ async def test_snapshot_quota_counts_snapshots_that_hold_nothing_and_outlive_the
 
 
 @pytest.mark.asyncio
+async def test_a_bad_size_is_invalid_argument_whatever_the_quota(quota_agent, pki):
+    """The size is checked before the quota: with a quota set, 2^64-1 bytes answered
+    RESOURCE_EXHAUSTED (quota.max_volume_bytes), and INVALID_ARGUMENT without one."""
+    huge, unaligned = (1 << 64) - 1, MiB + 1
+    async with tenant(quota_agent, pki, "tenant-e") as e:
+        for size in (huge, unaligned, 4 << 40):  # not a block multiple; past the store's 1 TiB
+            with pytest.raises(host_client.InvalidArgumentError):
+                await e.create_volume("bad-size", size)
+        await e.create_volume("bs", MiB)
+        await e.create_snapshot("bs-snap", "volumes/bs")
+        for size in (huge, unaligned):
+            with pytest.raises(host_client.InvalidArgumentError):
+                await e.resize_volume("volumes/bs", size)
+            with pytest.raises(host_client.InvalidArgumentError):
+                await e.clone_volume("bs-clone", "snapshots/bs-snap", size_bytes=size)
+        await e.delete_volume("volumes/bs")
+        await e.delete_snapshot("snapshots/bs-snap")
+
+
+@pytest.mark.asyncio
 async def test_flow_rule_quota(quota_agent, pki):
     async with tenant(quota_agent, pki, "tenant-a") as a:
         await a.create_flow_rule("fq-1", forward_rule(priority=40))

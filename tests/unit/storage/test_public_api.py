@@ -62,4 +62,5 @@ def test_interface_names_nothing_file_specific():
         "list_snapshots",
         "delete_snapshot",
         "clone",
+        "max_volume_bytes",
     }
