@@ -9,6 +9,8 @@ For every RPC the interceptor:
   without credentials);
 - refuses a request larger than its method allows before parsing it, and runs the
   generic request validation (`dpu_agent.validation`);
+- answers a mutating call's retry (the same request_id) with the first call's reply
+  (`dpu_agent.replies`);
 - maps domain errors (`dpu_agent.errors`) to gRPC status codes, and any other
   exception to INTERNAL without leaking its text;
 - writes one access-log line with method, tenant, status code and duration.
@@ -27,6 +29,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from dpu_agent import auth, errors, request_context
+from dpu_agent.replies import Replies, request_id_of
 from dpu_agent.status import status_for
 from dpu_agent.validation import MAX_REQUEST_BYTES, validate_request
 from dpu_wire import API_PACKAGE, REQUEST_ID_METADATA_KEY
@@ -145,12 +148,17 @@ UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[An
 StreamBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]
 
 
-def _wrap_unary(method: str, inner: UnaryBehavior, authenticator: Authenticator) -> UnaryBehavior:
+def _wrap_unary(
+    method: str, inner: UnaryBehavior, authenticator: Authenticator, replies: Replies
+) -> UnaryBehavior:
     async def behavior(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:  # noqa: ANN401
         rpc = _Rpc(method, context)
         try:
             rpc.authenticate(authenticator)
             _check(request)
+            key = request_id_of(method, request)
+            if key:
+                return await replies.call(rpc.tenant, method, key, lambda: inner(request, context))
             return await inner(request, context)
         except grpc.aio.AbortError:
             raise
@@ -201,6 +209,7 @@ class RpcInterceptor(_Interceptor):
 
     def __init__(self, authenticator: Authenticator) -> None:
         self._authenticator = authenticator
+        self._replies = Replies()
 
     async def intercept_service(
         self,
@@ -215,7 +224,10 @@ class RpcInterceptor(_Interceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(
-                    method, cast("UnaryBehavior", handler.unary_unary), self._authenticator
+                    method,
+                    cast("UnaryBehavior", handler.unary_unary),
+                    self._authenticator,
+                    self._replies,
                 ),
                 request_deserializer=_lenient(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,

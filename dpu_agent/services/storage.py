@@ -3,7 +3,9 @@
 Every volume belongs to the tenant that created it (kept in the store's metadata); a
 snapshot belongs to its volume's tenant, a clone to its snapshot's. A tenant sees,
 changes and deletes only its own; another tenant's volume or snapshot answers
-NOT_FOUND exactly as a missing one does. Admins see all.
+NOT_FOUND exactly as a missing one does. Admins see all. Ids are one namespace per
+agent (common.proto): creating an id another tenant holds answers ALREADY_EXISTS.
+A retried create answers as the first did (`dpu_agent.replies`, in the interceptor).
 
 Quotas (`[quota] max_volumes`, `max_volume_bytes`) bound what a tenant can come to
 hold, so that no write ever fails on a quota: its volumes count their provisioned
@@ -17,7 +19,6 @@ snapshots outlive their volumes, so without it a tenant could pile them up for f
 from __future__ import annotations
 
 import asyncio
-import collections
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
     import grpc
 
     from dpu_agent.storage import SnapshotInfo, VolumeInfo, VolumeStats, VolumeStore
-
-MAX_REMEMBERED_CREATES: Final = 4096  # request ids kept for idempotent creates
 
 _COMPRESSION: Final = {
     storage_pb2.COMPRESSION_UNSPECIFIED: Compression.NONE,
@@ -151,10 +150,6 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     def __init__(self, store: VolumeStore, quotas: Quotas | None = None) -> None:
         self._store = store
         self._quotas = quotas or Quotas()
-        # (kind, tenant, request_id) -> id made, for idempotent creates; oldest forgotten first
-        self._created: collections.OrderedDict[tuple[str, str, str], str] = (
-            collections.OrderedDict()
-        )
         # changes that need ownership and quota checks to hold while they run
         self._changes = asyncio.Lock()
 
@@ -197,15 +192,6 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         """
         check_size(size_bytes, block_size, self._store.max_volume_bytes)
 
-    def _remembered(self, kind: str, tenant: str, request_id: str) -> str | None:
-        return self._created.get((kind, tenant, request_id)) if request_id else None
-
-    def _remember(self, kind: str, tenant: str, request_id: str, ident: str) -> None:
-        if request_id:
-            self._created[kind, tenant, request_id] = ident
-            while len(self._created) > MAX_REMEMBERED_CREATES:
-                self._created.popitem(last=False)
-
     # ------------------------------------------------------------ volumes
 
     async def CreateVolume(
@@ -213,9 +199,6 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.Volume:
         """Create a volume with its data services (the key sealed, never returned), or a clone."""
         tenant = auth.tenant()
-        done = self._remembered("volume", tenant, request.request_id)
-        if done is not None:
-            return await self._volume(done)
         spec = request.volume
         if spec.source_snapshot:
             return await self._clone(request, tenant)
@@ -240,7 +223,6 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
                     qos=qos_from(spec.qos),
                 )
             )
-        self._remember("volume", tenant, request.request_id, info.volume_id)
         return to_proto(info)
 
     async def _clone(
@@ -264,7 +246,6 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
                     source, request.volume_id, size, tenant=snap.tenant, qos=qos_from(spec.qos)
                 )
             )
-        self._remember("volume", tenant, request.request_id, info.volume_id)
         return to_proto(info)
 
     async def GetVolume(
@@ -347,17 +328,12 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> storage_pb2.Snapshot:
         """A read-only point-in-time snapshot of a volume."""
-        tenant = auth.tenant()
-        done = self._remembered("snapshot", tenant, request.request_id)
-        if done is not None:
-            return snapshot_to(await self._owned_snapshot(done))
         source = resource_id(request.snapshot.source_volume, "volumes", "snapshot.source_volume")
         async with self._changes:
             volume = await self._owned(source)
             held = (await asyncio.to_thread(self._store.stats, source)).allocated_bytes
             await self._check_quota(volume.tenant, 0, held, 1)  # the snapshot takes them over
             info = await asyncio.to_thread(self._store.create_snapshot, source, request.snapshot_id)
-        self._remember("snapshot", tenant, request.request_id, info.snapshot_id)
         return snapshot_to(info)
 
     async def GetSnapshot(

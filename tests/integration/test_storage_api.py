@@ -84,6 +84,19 @@ async def test_create_is_idempotent_on_request_id(agent):
         assert first.name == again.name == "volumes/idem-1"
 
 
+async def test_a_retried_delete_gets_the_first_answer(agent):
+    """common.proto: a mutating call's retry with the same request_id returns the first
+    result. DeleteVolume ignored its request_id and answered the retry NOT_FOUND."""
+    async with host_client.Client(agent.address) as client:
+        await call(client, "CreateVolume", create_request("idem-del"))
+        request = storage_pb2.DeleteVolumeRequest(name="volumes/idem-del", request_id="del-1")
+        await call(client, "DeleteVolume", request)
+        await call(client, "DeleteVolume", request)  # the first answer again
+        request.request_id = "del-2"
+        with pytest.raises(host_client.NotFoundError):  # a new request acts, and finds nothing
+            await call(client, "DeleteVolume", request)
+
+
 @pytest.mark.parametrize(
     ("request_msg", "error", "fragment"),
     [

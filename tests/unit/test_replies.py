@@ -1,0 +1,151 @@
+"""Idempotent retries (`dpu_agent.replies`): the first reply, once per key, per tenant."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dpu_agent import replies
+from dpu_agent.errors import NotFound
+from dpu_agent.replies import Replies, request_id_of
+from dpu_wire.v1 import job_pb2, session_pb2, storage_pb2
+
+DELETE = "/dpu.v1.StorageService/DeleteVolume"
+
+
+class Calls:
+    """A service method that counts how often it acted."""
+
+    def __init__(self) -> None:
+        self.acted = 0
+
+    async def act(self) -> str:
+        self.acted += 1
+        await asyncio.sleep(0)
+        return f"reply {self.acted}"
+
+
+@pytest.mark.asyncio
+async def test_a_retry_gets_the_first_reply_without_acting_again():
+    book, calls = Replies(), Calls()
+    assert await book.call("a", DELETE, "rid-1", calls.act) == "reply 1"
+    assert await book.call("a", DELETE, "rid-1", calls.act) == "reply 1"
+    assert calls.acted == 1
+    assert await book.call("a", DELETE, "rid-2", calls.act) == "reply 2"  # another key acts
+    assert await book.call("b", DELETE, "rid-1", calls.act) == "reply 3"  # another tenant too
+    other = "/dpu.v1.StorageService/ResizeVolume"
+    assert await book.call("a", other, "rid-1", calls.act) == "reply 4"  # another method too
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_failed_keeps_nothing():
+    book, calls = Replies(), Calls()
+
+    async def missing() -> str:
+        raise NotFound("volume 'v' does not exist")
+
+    with pytest.raises(NotFound):
+        await book.call("a", DELETE, "rid", missing)
+    assert len(book) == 0
+    assert await book.call("a", DELETE, "rid", calls.act) == "reply 1"
+
+
+@pytest.mark.asyncio
+async def test_a_retry_during_the_first_call_waits_for_its_answer():
+    book, calls = Replies(), Calls()
+    gate = asyncio.Event()
+
+    async def slow() -> str:
+        await gate.wait()
+        return await calls.act()
+
+    first = asyncio.create_task(book.call("a", DELETE, "rid", slow))
+    retry = asyncio.create_task(book.call("a", DELETE, "rid", slow))
+    await asyncio.sleep(0.01)
+    gate.set()
+    assert await first == await retry == "reply 1"
+    assert calls.acted == 1
+
+
+@pytest.mark.asyncio
+async def test_a_retry_waiting_on_a_cancelled_first_call_acts_itself():
+    book, calls = Replies(), Calls()
+    gate = asyncio.Event()
+
+    async def slow() -> str:
+        await gate.wait()
+        return await calls.act()
+
+    first = asyncio.create_task(book.call("a", DELETE, "rid", slow))
+    await asyncio.sleep(0.01)
+    retry = asyncio.create_task(book.call("a", DELETE, "rid", slow))
+    await asyncio.sleep(0.01)
+    first.cancel()  # the first client went away
+    await asyncio.sleep(0.01)
+    gate.set()
+    assert await retry == "reply 1"
+    assert first.cancelled()
+
+
+@pytest.mark.asyncio
+async def test_other_tenants_cannot_push_a_tenants_replies_out(monkeypatch):
+    """A shared list of 4,096 remembered creates let one tenant evict another's (an audit)."""
+    monkeypatch.setattr(replies, "MAX_PER_TENANT", 8)
+    book, calls = Replies(), Calls()
+    assert await book.call("a", DELETE, "mine", calls.act) == "reply 1"
+    for i in range(100):
+        await book.call("b", DELETE, f"flood-{i}", calls.act)
+    assert await book.call("a", DELETE, "mine", calls.act) == "reply 1"
+    assert len(book) == 1 + 8  # bounded per tenant, the oldest forgotten first
+    for i in range(8):
+        await book.call("a", DELETE, f"more-{i}", calls.act)
+    acted = calls.acted
+    assert await book.call("a", DELETE, "mine", calls.act) != "reply 1"
+    assert calls.acted == acted + 1
+
+
+@pytest.mark.asyncio
+async def test_a_reply_is_kept_for_ttl_seconds():
+    now = [0.0]
+    book, calls = Replies(clock=lambda: now[0]), Calls()
+    await book.call("a", DELETE, "rid", calls.act)
+    now[0] = replies.TTL_S - 1
+    assert await book.call("a", DELETE, "rid", calls.act) == "reply 1"
+    now[0] = replies.TTL_S + 1
+    assert await book.call("a", DELETE, "rid", calls.act) == "reply 2"
+
+
+def test_which_calls_are_answered_here():
+    assert request_id_of(DELETE, storage_pb2.DeleteVolumeRequest(request_id="r")) == "r"
+    assert request_id_of(DELETE, storage_pb2.DeleteVolumeRequest()) == ""  # no key: acts
+    get = "/dpu.v1.StorageService/GetVolume"
+    assert request_id_of(get, storage_pb2.GetVolumeRequest(name="volumes/v")) == ""
+    # these two keep their own record, tied to the session and the job they made
+    opened = session_pb2.OpenSessionRequest(request_id="r")
+    assert request_id_of("/dpu.v1.SessionService/OpenSession", opened) == ""
+    submitted = job_pb2.SubmitJobRequest(request_id="r")
+    assert request_id_of("/dpu.v1.JobService/SubmitJob", submitted) == ""
+
+
+@pytest.mark.asyncio
+async def test_the_replies_kept_are_bounded_in_bytes(monkeypatch):
+    """Per tenant, and over all tenants (the least recently used tenant's go first)."""
+    monkeypatch.setattr(replies, "MAX_BYTES_PER_TENANT", 10_000)
+    monkeypatch.setattr(replies, "MAX_BYTES", 25_000)
+    book = Replies()
+
+    async def volume() -> storage_pb2.Volume:
+        return storage_pb2.Volume(name="volumes/" + "v" * 990)  # about 1,000 bytes
+
+    size = (await volume()).ByteSize()
+    for i in range(50):
+        await book.call("a", DELETE, f"a-{i}", volume)
+    assert book.bytes <= 10_000
+    assert book.bytes == len(book) * size
+    for tenant in ("b", "c"):
+        for i in range(50):
+            await book.call(tenant, DELETE, f"{tenant}-{i}", volume)
+    assert book.bytes <= 25_000
+    assert book.bytes == len(book) * size
+    assert len(book) == 2 * (10_000 // size)  # a's, the least recently used, went first
