@@ -160,7 +160,9 @@ class QosLimits(_message.Message):
     throttled job waits, it is never failed or dropped. 0 = no limit; otherwise IOPS
     1..10,000,000 and bytes/s 65,536..1,099,511,627,776 (INVALID_ARGUMENT outside).
     A VOLUME_TRIM counts as one write operation of no bytes; VOLUME_FLUSH is not
-    limited.
+    limited. The limits are the volume owner's: a tenant sets, raises or clears those
+    of its own volumes, to pace its own I/O; they are not a ceiling an operator puts
+    on a tenant.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
