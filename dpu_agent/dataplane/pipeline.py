@@ -19,6 +19,7 @@ waiting on something are checked every `SWEEP_S`.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -27,15 +28,18 @@ from dpu_agent import status
 from dpu_agent.dataplane.admission import JobRequest, admit
 from dpu_agent.dataplane.jobs import JobRecord, Origin
 from dpu_agent.dataplane.runners import (
+    PIPELINED,
     RUNNERS,
     BatchWrite,
     Io,
     Read,
     Sleep,
+    Together,
     Work,
     Write,
     buffers_needed,
     immediate,
+    pipelined,
     queued_write,
 )
 from dpu_agent.errors import AgentError, DeadlineExceeded, InvalidArgument, ResourceExhausted
@@ -102,10 +106,30 @@ class Counters:
         self.bytes_written = 0
 
 
+class _Group:
+    """The operations of a `Together` not finished yet, and what they gave."""
+
+    __slots__ = ("error", "left", "values")
+
+    def __init__(self, count: int) -> None:
+        self.left = count
+        self.values: list[object] = [None] * count
+        self.error: BaseException | None = None
+
+    def done(self, slot: int | None, value: object, error: BaseException | None) -> bool:
+        """One finished (`slot`: a Work's place); True once all have."""
+        if slot is not None:
+            self.values[slot] = value
+        if error is not None and self.error is None:
+            self.error = error
+        self.left -= 1
+        return self.left == 0
+
+
 class _Run:
     """A running job: its generator, its buffers and what it waits for."""
 
-    __slots__ = ("buffers", "gen", "job", "pending", "timer", "token")
+    __slots__ = ("buffers", "gen", "group", "job", "pending", "timer", "token")
 
     def __init__(self, job: JobRecord, token: int) -> None:
         self.job = job
@@ -114,6 +138,7 @@ class _Run:
         self.buffers: list[Buffer] = []
         self.pending = 0  # link operations in flight with this run's token
         self.timer: Timer | None = None
+        self.group: _Group | None = None  # the Together it waits for
 
 
 class Pipeline(LinkSink):
@@ -360,6 +385,8 @@ class Pipeline(LinkSink):
             self._arm_sweeper()  # deadlines hold even while an operation is in flight
         if count:
             size = self._staging.pool_for(largest)
+            if pipelined(job, size) and self._staging.capacity(size) >= PIPELINED:
+                count = PIPELINED
             self._staging.take(size, count, lambda buffers: self._launch(run, buffers))
         else:
             self._launch(run, [])
@@ -490,7 +517,41 @@ class Pipeline(LinkSink):
         if kind is Sleep:
             run.timer = self._reactor.call_later(op.seconds, lambda: self._slept(run))  # type: ignore[union-attr]
             return True, None, None
+        if kind is Together:
+            return self._perform_together(run, op)  # type: ignore[arg-type]
         return False, None, TypeError(f"unknown job operation {op!r}")
+
+    def _perform_together(
+        self, run: _Run, op: Together
+    ) -> tuple[bool, object, BaseException | None]:
+        """Start every operation of `op`; the run waits until all have finished."""
+        group = run.group = _Group(len(op.ops))
+        for slot, sub in enumerate(op.ops):
+            if isinstance(sub, Work):
+                run.pending += 1
+                self._reactor.compute(sub.fn, functools.partial(self._resumed, run, slot=slot))
+            elif (isinstance(sub, Read) and not run.job.inline) or (
+                isinstance(sub, Write) and not sub.last
+            ):
+                self._perform(run, sub)  # posted with the run's token: on_done counts it
+            else:
+                group.done(None, None, TypeError(f"{sub!r} cannot run together with others"))
+        if group.left:
+            return True, None, None
+        run.group = None
+        return False, tuple(group.values), group.error
+
+    def _step_done(
+        self, run: _Run, value: object, error: BaseException | None, slot: int | None = None
+    ) -> None:
+        """An operation of the run finished: resume it (once its whole Together has)."""
+        group = run.group
+        if group is not None:
+            if not group.done(slot, value, error):
+                return
+            run.group = None
+            value, error = tuple(group.values), group.error
+        self._advance(run, value, error)
 
     def _perform_store(
         self, run: _Run, op: Io | BatchWrite
@@ -548,16 +609,18 @@ class Pipeline(LinkSink):
         else:
             self._end(job, None, State.SUCCEEDED, status.OK, "")
 
-    def _resumed(self, run: _Run, future: concurrent.futures.Future[Any]) -> None:
+    def _resumed(
+        self, run: _Run, future: concurrent.futures.Future[Any], slot: int | None = None
+    ) -> None:
         run.pending -= 1
         if run.job.done:
             self._release_if_idle(run)
             return
         exc = future.exception()
         if exc is None:
-            self._advance(run, future.result(), None)
+            self._step_done(run, future.result(), None, slot)
         else:
-            self._advance(run, None, exc)
+            self._step_done(run, None, exc, slot)
 
     def _slept(self, run: _Run) -> None:
         run.timer = None
@@ -577,7 +640,7 @@ class Pipeline(LinkSink):
         if run.job.done:
             self._release_if_idle(run)
             return
-        self._advance(run, None, None)
+        self._step_done(run, None, None)
 
     # ------------------------------------------------------------ ending
 

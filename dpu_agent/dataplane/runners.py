@@ -18,6 +18,8 @@ The operations:
   pass's BatchWrites and makes one `Storage.write_batch` call for them at the end of the
   pass (or before its next storage call, so a session's store calls keep their order):
   the store then allocates, reserves log room and takes its lock once for all of them.
+- `Together`: several READs, WRITEs and a Work at once (a transform's next READ and
+  last WRITE while the worker transforms a chunk), resumed when all have finished.
 - `Sleep`: wait (a QoS throttle) without holding anything but the job's buffers.
 
 A source that came inline in the SUBMIT (data-plane.md 2.8) is already in the job's
@@ -91,13 +93,23 @@ class BatchWrite(NamedTuple):
     view: memoryview
 
 
+class Together(NamedTuple):
+    """Start these operations at once; resumed with their results once all have finished.
+
+    READs, WRITEs that are not a job's last, and at most one Work; the results come in
+    the operations' order (None for a READ or WRITE), or the first error is thrown.
+    """
+
+    ops: tuple[Read | Write | Work, ...]
+
+
 class Sleep(NamedTuple):
     """Wait `seconds`."""
 
     seconds: float
 
 
-Op = Read | Write | Work | Io | BatchWrite | Sleep
+Op = Read | Write | Work | Together | Io | BatchWrite | Sleep
 Runner: TypeAlias = "Generator[Op, Any, None]"
 
 
@@ -125,6 +137,15 @@ class Storage(Protocol):
 
 BUFFERLESS_INLINE: Final = frozenset({JobKind.CRC32C, JobKind.VOLUME_WRITE})
 """Kinds whose runner uses an inline source where it is, taking no staging buffer."""
+
+
+PIPELINED: Final = 4
+"""Buffers of a transform whose source is longer than one: two for input, two for output."""
+
+
+def pipelined(job: JobRecord, buffer_size: int) -> bool:
+    """Whether the job's runner overlaps its steps, given `PIPELINED` buffers of this size."""
+    return job.row.compute and job.kind != JobKind.SHA256 and job.source.length > buffer_size
 
 
 def buffers_needed(job: JobRecord) -> tuple[int, int]:
@@ -210,53 +231,100 @@ def sha256(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Run
 
 
 class _Output:
-    """A transform's output buffer: filled by the worker or by copies, WRITTEN when full."""
+    """A transform's output buffers: the worker fills one while the other is WRITTEN.
 
-    def __init__(self, job: JobRecord, outbuf: Buffer) -> None:
+    With one buffer, a full buffer is WRITTEN at once and the runner waits for it. With
+    two, a full buffer's WRITE (`pending`) goes out with the next step's operations
+    while the worker fills the other one.
+    """
+
+    def __init__(self, job: JobRecord, outbufs: list[Buffer]) -> None:
         self.job = job
-        self.outbuf = outbuf
-        self.held = 0  # output bytes in outbuf, not yet written
-        self.written = 0
-
-    def drain(self, *, last: bool) -> Runner:
-        """WRITE what outbuf holds."""
-        dst = self.job.destination
-        yield Write(self.outbuf, 0, self.held, dst.addr + self.written, dst.rkey, last)
-        self.written += self.held
-        self.job.bytes_written = self.written
-        self.held = 0
+        self.bufs = outbufs
+        self.step = outbufs[0].size
+        self.filling = 0  # the buffer being filled
+        self.held = 0  # its bytes
+        self.produced = 0  # output bytes so far: written, pending and held
+        self.pending: Write | None = None  # a full buffer's WRITE, not posted yet
 
     def check(self, more: int) -> None:
         """Fail the job before `more` output bytes past the destination are written."""
-        job = self.job
-        if self.written + self.held + more > job.destination.length:
+        dst = self.job.destination
+        if self.produced + more > dst.length:
             raise InvalidArgument(
-                f"{job.row.field}: the output does not fit the destination "
-                f"({job.destination.length} bytes)"
+                f"{self.job.row.field}: the output does not fit the destination "
+                f"({dst.length} bytes)"
             )
 
-    def put(self, data: bytes | memoryview) -> Runner:
-        """Copy `data` into outbuf, WRITING each time it fills."""
-        self.check(len(data))
-        step, view = self.outbuf.size, memoryview(data)
-        while view:
-            take = min(step - self.held, len(view))
-            self.outbuf.view[self.held : self.held + take] = view[:take]
-            self.held += take
-            view = view[take:]
-            if self.held == step:
-                yield from self.drain(last=False)
+    def _write(self, *, last: bool = False) -> Write:
+        """The WRITE of the buffer being filled; the next one is filled from now on."""
+        dst = self.job.destination
+        at = dst.addr + self.produced - self.held
+        write = Write(self.bufs[self.filling], 0, self.held, at, dst.rkey, last)
+        self.held = 0
+        self.filling = (self.filling + 1) % len(self.bufs)
+        return write
 
-    def work(self, kernel: compute.Transform, data: memoryview | bytes, *, last: bool) -> Runner:
-        """Feed `data` on a worker, which places the output in outbuf's free part itself."""
-        step = self.outbuf.size
-        room = self.outbuf.view[self.held : step]
-        placed, rest = yield Work(functools.partial(kernel.feed_into, data, room, step, last=last))
+    def _placed(self, count: int) -> Runner:
+        """`count` bytes were placed in the buffer being filled; WRITE it once full."""
+        self.held += count
+        self.produced += count
+        if self.held < self.step:
+            return
+        yield from self.flush()  # the other buffer, full too: its WRITE goes first
+        self.pending = self._write()
+        if len(self.bufs) == 1:
+            yield from self.flush()
+
+    def flush(self) -> Runner:
+        """WRITE the pending full buffer now."""
+        if self.pending is not None:
+            write, self.pending = self.pending, None
+            yield write
+            self.job.bytes_written += write.length
+
+    def put(self, data: bytes | memoryview) -> Runner:
+        """Copy `data` in (a frame's first or last bytes, what a worker could not place)."""
+        self.check(len(data))
+        view = memoryview(data)
+        while view:
+            take = min(self.step - self.held, len(view))
+            self.bufs[self.filling].view[self.held : self.held + take] = view[:take]
+            view = view[take:]
+            yield from self._placed(take)
+
+    def feed(
+        self, kernel: compute.Transform, data: memoryview | bytes, read: Read | None, *, last: bool
+    ) -> Runner:
+        """Feed `data` on a worker, which places the output in the buffer being filled.
+
+        `read` (the next chunk) and the pending WRITE go on at the same time.
+        """
+        room = self.bufs[self.filling].view[self.held : self.step]
+        work = Work(functools.partial(kernel.feed_into, data, room, self.step, last=last))
+        write, self.pending = self.pending, None
+        others = tuple(op for op in (read, write) if op is not None)
+        written = 0 if write is None else write.length
+        try:
+            if others:
+                placed, rest = (yield Together((work, *others)))[0]
+            else:
+                placed, rest = yield work
+        except Exception:
+            self.job.bytes_written += written  # the WRITE finished, whatever the Work gave
+            raise
+        self.job.bytes_written += written
         self.check(placed + len(rest))
-        self.held += placed
-        if self.held == step:
-            yield from self.drain(last=False)
+        yield from self._placed(placed)
         yield from self.put(rest)
+
+    def finish(self) -> Runner:
+        """WRITE what is left, the job's last WRITE last."""
+        yield from self.flush()
+        if self.held:
+            write = self._write(last=True)
+            yield write
+            self.job.bytes_written += write.length
 
 
 def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> Runner:
@@ -265,25 +333,37 @@ def transform(job: JobRecord, buffers: list[Buffer], _store: Storage | None) -> 
     The output is WRITTEN to the destination as it fills a staging buffer; output past
     the destination's length fails the job (INVALID_ARGUMENT) with what fit written.
     The worker places each chunk's output in that buffer itself (`Transform.feed_into`),
-    so the reactor copies only what overflows it.
+    so the reactor copies only what overflows it. With four buffers (a source of more
+    than one chunk, `PIPELINED`), two for input and two for output, the READ of the next
+    chunk and the WRITE of the last full output go on while the worker transforms a
+    chunk: a long job takes about the time of the slowest of the three, not their sum.
     """
-    inbuf, outbuf = buffers
+    half = len(buffers) // 2
+    inbufs, outbufs = buffers[:half], buffers[half:]
     src = job.source
     kernel = compute.transform(job.kind, job.parameter, job.key, src.length)
-    out = _Output(job, outbuf)
+    out = _Output(job, outbufs)
     yield from out.put(kernel.start())
-    for offset, size in _chunks(src.length, inbuf.size):
-        yield Read(inbuf, 0, size, src.addr + offset, src.rkey)
-        job.bytes_read += size
+    chunks = _chunks(src.length, inbufs[0].size)
+    ahead = len(inbufs) > 1
+    for k, (offset, size) in enumerate(chunks):
+        inbuf = inbufs[k % len(inbufs)]
+        if k == 0 or not ahead:
+            yield Read(inbuf, 0, size, src.addr + offset, src.rkey)
+            job.bytes_read += size
+        read = None
+        if ahead and k + 1 < len(chunks):  # the other input buffer: the worker reads this one
+            at, length = chunks[k + 1]
+            read = Read(inbufs[(k + 1) % 2], 0, length, src.addr + at, src.rkey)
         last = offset + size == src.length
-        # The kernel reads inbuf in place: the next READ waits for this Work to end.
-        yield from out.work(kernel, inbuf.view[:size], last=last)
+        yield from out.feed(kernel, inbuf.view[:size], read, last=last)
+        if read is not None:
+            job.bytes_read += read.length
         while kernel.more():
-            yield from out.work(kernel, b"", last=last)
+            yield from out.feed(kernel, b"", None, last=last)
     yield from out.put(kernel.finish())  # a few bytes and a check: no worker round trip
-    if out.held:
-        yield from out.drain(last=True)
-    job.result = out.written
+    yield from out.finish()
+    job.result = out.produced
 
 
 def volume_write(job: JobRecord, buffers: list[Buffer], store: Storage | None) -> Runner:

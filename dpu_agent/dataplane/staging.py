@@ -43,6 +43,7 @@ class Buffer(NamedTuple):
 class _Pool:
     def __init__(self, link: AgentLink, count: int, size: int) -> None:
         self.size = size
+        self.count = count
         self.region = link.staging(count * size)
         self.free = [Buffer(self.region, i * size, size) for i in range(count)]
         self.waiting: collections.deque[tuple[int, Callable[[list[Buffer]], None]]] = (
@@ -66,6 +67,11 @@ class Staging:
         if largest_transfer <= self._small.size:
             return self._small.size
         return self._large.size
+
+    def capacity(self, size: int) -> int:
+        """How many buffers of `size` (a `pool_for` answer) the session has in all."""
+        pool = self._small if size == self._small.size else self._large
+        return pool.count
 
     def take(self, size: int, count: int, ready: Callable[[list[Buffer]], None]) -> None:
         """Hand `count` buffers of `size` to `ready` now, or as soon as they are free."""

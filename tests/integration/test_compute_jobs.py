@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 import host_client
 from dpu_wire.v1 import job_pb2
 from tests.faults.common import rss_bytes, status_bytes
+from tests.integration.conftest import start_agent
 
 pytestmark = pytest.mark.asyncio
 
@@ -138,3 +139,48 @@ async def test_decompression_bombs_hold_bounded_agent_memory(agent, session):
     assert grew_mib < 48, f"the agent's peak RSS grew {grew_mib:.0f} MiB for four bombs"
     with pytest.raises(host_client.InvalidArgumentError, match="does not fit the destination"):
         await session.compute("decompress", src, outs[0][0:MiB], parameter="zstd")
+
+
+@pytest.fixture(scope="module")
+def small_chunk_agent(tmp_path_factory):
+    """An agent moving 64 KiB per operation: a 1 MiB job is 16 chunks, pipelined."""
+    process = start_agent(
+        tmp_path_factory.mktemp("chunks"), env={"DPU_AGENT_CHUNK_SIZE": str(64 << 10)}
+    )
+    yield process
+    assert process.terminate() == 0, process.log_path.read_text()
+
+
+async def test_jobs_of_many_chunks_overlap_their_steps_and_round_trip(small_chunk_agent):
+    """Four at once, each taking four of the session's buffers in turn (two in, two out:
+    the next READ and the last WRITE go on while the worker transforms a chunk)."""
+    async with (
+        host_client.Client(small_chunk_agent.address) as client,
+        await client.open_session(transport="tcp") as session,
+    ):
+        key = await session.register_key(os.urandom(32))
+        size = len(DATA)  # a little under 1 MiB: 16 chunks, the last one short
+        src = await session.alloc(size, readable=True)
+        src.view[:] = DATA
+        kinds = [("compress", "zstd"), ("compress", "lz4"), ("encrypt", key), ("encrypt", key)]
+        mids = [await session.alloc(2 * MiB, readable=True, writable=True) for _ in kinds]
+        outs = [await session.alloc(2 * MiB, writable=True) for _ in kinds]
+        packed = await asyncio.gather(
+            *(
+                session.compute(kind, src, mid, parameter=parameter)
+                for (kind, parameter), mid in zip(kinds, mids, strict=True)
+            )
+        )
+        undo = {"compress": "decompress", "encrypt": "decrypt"}
+        opened = await asyncio.gather(
+            *(
+                session.compute(undo[kind], mid[0 : done.bytes_written], out, parameter=parameter)
+                for (kind, parameter), mid, out, done in zip(kinds, mids, outs, packed, strict=True)
+            )
+        )
+        for done, out in zip(opened, outs, strict=True):
+            assert done.bytes_read > MiB // 4
+            assert done.bytes_written == size
+            assert out.view[:size] == DATA
+        assert packed[2].bytes_written == size + 28
+        assert packed[0].bytes_read == size

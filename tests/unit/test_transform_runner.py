@@ -36,8 +36,25 @@ def _buffer(size: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(region=region, offset=0, size=size, view=region.view)
 
 
-def run(kind: JobKind, source: bytes, dst_len: int, parameter: int = 0) -> tuple[bytes, int]:
-    """(the bytes WRITTEN to the destination in order, the largest output one Work gave)."""
+LAYOUTS = [(2, False), (runners.PIPELINED, False), (runners.PIPELINED, True)]
+LAYOUT_IDS = ["sequential", "pipelined", "pipelined-reversed"]
+
+
+def run(
+    kind: JobKind,
+    source: bytes,
+    dst_len: int,
+    parameter: int = 0,
+    *,
+    buffers: int = 2,
+    reverse: bool = False,
+) -> tuple[bytes, int]:
+    """(the bytes WRITTEN to the destination in order, the largest output one Work gave).
+
+    `buffers`: 2 (one in, one out) or `runners.PIPELINED` (two of each, the steps
+    overlapped); the operations of a Together run in their order, or in reverse (they
+    must not depend on it: in the agent they run at the same time).
+    """
     job = types.SimpleNamespace(
         kind=kind,
         parameter=parameter,
@@ -49,51 +66,70 @@ def run(kind: JobKind, source: bytes, dst_len: int, parameter: int = 0) -> tuple
         bytes_written=0,
         result=None,
     )
-    inbuf, outbuf = _buffer(STEP), _buffer(STEP)
+    bufs = [_buffer(STEP) for _ in range(buffers)]
     dest = bytearray(dst_len)
-    gen = runners.transform(job, [inbuf, outbuf], None)  # type: ignore[arg-type,list-item]
+    gen = runners.transform(job, bufs, None)  # type: ignore[arg-type]
     value = None
     largest = 0
     last_seen = False
+    read = written = 0
+
+    def do(op: object) -> object:
+        nonlocal largest, last_seen, read, written
+        if isinstance(op, runners.Read):
+            op.buffer.view[: op.length] = source[op.addr : op.addr + op.length]
+            read += op.length
+        elif isinstance(op, runners.Write):
+            assert not last_seen, "a WRITE after the final one"
+            last_seen = op.last
+            dest[op.addr : op.addr + op.length] = op.buffer.view[op.offset : op.offset + op.length]
+            written += op.length
+        elif isinstance(op, runners.Work):
+            placed, rest = result = op.fn()
+            largest = max(largest, placed + len(rest))
+            return result
+        return None
+
     while True:
         try:
             op = gen.send(value)
         except StopIteration:
             break
-        value = None
-        if isinstance(op, runners.Read):
-            inbuf.view[: op.length] = source[op.addr : op.addr + op.length]
-        elif isinstance(op, runners.Write):
-            assert not last_seen, "a WRITE after the final one"
-            last_seen = op.last
-            dest[op.addr : op.addr + op.length] = op.buffer.view[op.offset : op.offset + op.length]
-        elif isinstance(op, runners.Work):
-            value = op.fn()
-            placed, rest = value
-            largest = max(largest, placed + len(rest))
-    assert job.result == job.bytes_written
+        if isinstance(op, runners.Together):
+            assert sum(isinstance(o, runners.Work) for o in op.ops) <= 1
+            order = list(enumerate(op.ops))
+            values = {i: do(o) for i, o in (reversed(order) if reverse else order)}
+            value = tuple(values[i] for i in range(len(op.ops)))
+        else:
+            value = do(op)
+    assert job.result == job.bytes_written == written
+    assert job.bytes_read == read == len(source)
     return bytes(dest[: job.result]), largest
 
 
+@pytest.mark.parametrize(("buffers", "reverse"), LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("size", [0, 1, STEP - 1, STEP, STEP + 1, 3 * STEP, len(DATA)])
 @pytest.mark.parametrize("codec", [1, 2])
-def test_compress_and_decompress_round_trip_at_every_boundary(size, codec):
+def test_compress_and_decompress_round_trip_at_every_boundary(size, codec, buffers, reverse):
     data = DATA[:size]
-    packed, _ = run(JobKind.COMPRESS, data, 2 * len(data) + 1024, codec)
+    layout = {"buffers": buffers, "reverse": reverse}
+    packed, _ = run(JobKind.COMPRESS, data, 2 * len(data) + 1024, codec, **layout)
     library = lz4.frame.decompress if codec == 1 else zstandard.ZstdDecompressor().decompress
     assert library(packed) == data
-    unpacked, largest = run(JobKind.DECOMPRESS, packed, max(size, 1), codec)
+    unpacked, largest = run(JobKind.DECOMPRESS, packed, max(size, 1), codec, **layout)
     assert unpacked == data
     assert largest <= STEP  # a decoder gives at most one buffer per call
 
 
+@pytest.mark.parametrize(("buffers", "reverse"), LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("size", [0, 1, STEP - 28, STEP - 12, STEP, STEP + 1, len(DATA)])
-def test_encrypt_and_decrypt_round_trip_at_every_boundary(size):
+def test_encrypt_and_decrypt_round_trip_at_every_boundary(size, buffers, reverse):
     data = DATA[:size]
-    sealed, _ = run(JobKind.ENCRYPT, data, size + 28)
+    layout = {"buffers": buffers, "reverse": reverse}
+    sealed, _ = run(JobKind.ENCRYPT, data, size + 28, **layout)
     assert len(sealed) == size + 28
     assert AESGCM(KEY).decrypt(sealed[:12], sealed[12:], None) == data
-    opened, _ = run(JobKind.DECRYPT, sealed, max(size, 1))
+    opened, _ = run(JobKind.DECRYPT, sealed, max(size, 1), **layout)
     assert opened == data
 
 
@@ -104,17 +140,20 @@ def test_a_tampered_ciphertext_is_data_loss():
         run(JobKind.DECRYPT, bytes(sealed), len(DATA))
 
 
+@pytest.mark.parametrize("buffers", [2, runners.PIPELINED])
 @pytest.mark.parametrize("kind", [JobKind.ENCRYPT, JobKind.COMPRESS])
-def test_output_past_the_destination_fails_the_job(kind):
+def test_output_past_the_destination_fails_the_job(kind, buffers):
+    parameter = 2 if kind == JobKind.COMPRESS else 0
     with pytest.raises(InvalidArgument, match="does not fit the destination"):
-        run(kind, os.urandom(3 * STEP), 2 * STEP, 2 if kind == JobKind.COMPRESS else 0)
+        run(kind, os.urandom(3 * STEP), 2 * STEP, parameter, buffers=buffers)
 
 
-def test_a_decompression_bomb_stops_at_the_destination_a_buffer_at_a_time():
+@pytest.mark.parametrize("buffers", [2, runners.PIPELINED])
+def test_a_decompression_bomb_stops_at_the_destination_a_buffer_at_a_time(buffers):
     bomb = zstandard.ZstdCompressor(level=19).compress(bytes(64 << 20))  # 64 MiB of zeros
     assert len(bomb) < 8 << 10
     with pytest.raises(InvalidArgument, match="does not fit the destination"):
-        run(JobKind.DECOMPRESS, bomb, 10 * STEP, 2)
+        run(JobKind.DECOMPRESS, bomb, 10 * STEP, 2, buffers=buffers)
 
 
 @pytest.mark.parametrize("codec", [1, 2])
@@ -174,3 +213,37 @@ def test_a_transform_without_its_own_feed_into_places_what_fits():
     assert placed == 100
     packed = bytes(out) + bytes(rest) + kernel.finish()
     assert zstandard.ZstdDecompressor().decompress(packed) == DATA
+
+
+def test_a_pipelined_job_reads_ahead_and_writes_behind_while_the_worker_runs():
+    """With four buffers, each chunk's Work goes out with the next chunk's READ and the
+    last full buffer's WRITE: a long job is bound by its slowest step, not their sum."""
+    job = types.SimpleNamespace(
+        kind=JobKind.ENCRYPT, parameter=0, key=KEY,
+        source=types.SimpleNamespace(length=4 * STEP, addr=0, rkey=1),
+        destination=types.SimpleNamespace(length=5 * STEP, addr=0, rkey=2),
+        row=types.SimpleNamespace(field="destination"), bytes_read=0, bytes_written=0,
+        result=None,
+    )  # fmt: skip
+    bufs = [_buffer(STEP) for _ in range(runners.PIPELINED)]
+    gen = runners.transform(job, bufs, None)  # type: ignore[arg-type]
+    shapes = []
+    value = None
+    while True:
+        try:
+            op = gen.send(value)
+        except StopIteration:
+            break
+        ops = op.ops if isinstance(op, runners.Together) else (op,)
+        shapes.append("+".join(type(o).__name__ for o in ops))
+        results = [o.fn() if isinstance(o, runners.Work) else None for o in ops]
+        value = tuple(results) if isinstance(op, runners.Together) else results[0]
+    assert shapes == [
+        "Read",  # the first chunk
+        "Work+Read",  # chunk 1 transformed, chunk 2 read
+        "Work+Read+Write",  # and the first full output buffer written
+        "Work+Read+Write",
+        "Work+Write",  # the last chunk
+        "Write",  # the full buffer left
+        "Write",  # the rest: nonce overflow and tag (the job's last)
+    ]
