@@ -3,21 +3,37 @@
 The tcp data plane makes the agent dial out, to an address a client names. Unchecked,
 that lets a client use the agent to reach (and send to) anything the agent can reach.
 So the agent dials only the address the authenticated gRPC call came from, or a
-network the operator listed. Pure functions over `ipaddress`, used by the
-configuration (to check the setting) and by the tcp link factory.
+network the operator listed (data-plane.md DP-1.3-1). The configuration uses
+`parse_allow` to check the setting; the tcp link factory asks `resolve_allowed` for
+the address to dial.
+
+A host name is resolved once, and the agent dials one of the addresses it checked:
+resolving it again to connect would let a name whose DNS answers differently each
+time (rebinding) pass the check with an allowed address and be dialled at another.
+A lookup runs on a daemon thread of its own, at most `RESOLVERS` at once and for
+`RESOLVE_TIMEOUT` seconds at most: a name whose DNS never answers cannot hold up the
+threads the agent's other work runs on (asyncio's default executor), and the agent
+can exit while a lookup still hangs. A numeric address needs no lookup.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import socket
+import threading
 import urllib.parse
-from typing import NamedTuple
+from typing import Any, Final, NamedTuple
 
-from dpu_agent.errors import PermissionDenied
+from dpu_agent.errors import PermissionDenied, Unavailable
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+AddrInfo = tuple[int, int, int, Any]  # family, type, proto, sockaddr: what to dial
+
+RESOLVE_TIMEOUT: Final = 2.0
+RESOLVERS: Final = 4
+_resolvers = threading.BoundedSemaphore(RESOLVERS)
 
 
 class Allow(NamedTuple):
@@ -69,17 +85,14 @@ def parse_allow(text: str) -> Allow:
     return Allow(peer, tuple(networks))
 
 
-async def check_host(host: str, peer: str, allow: Allow) -> None:
-    """PermissionDenied unless every address `host` names is one the agent may dial."""
+async def resolve_allowed(host: str, port: int, peer: str, allow: Allow) -> AddrInfo:
+    """The address to dial for `host`, resolved once (see the module docstring).
+
+    PermissionDenied unless every address the name gives is one the agent may dial.
+    """
+    infos = await _addresses(host, port)
     caller = peer_ip(peer)
     allow_peer, networks = allow
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        raise PermissionDenied(
-            f"host_endpoint.tcp.host {host!r} does not resolve to an address the agent may dial"
-        ) from None
     for info in infos:
         address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
@@ -92,3 +105,57 @@ async def check_host(host: str, peer: str, allow: Allow) -> None:
             "host_endpoint.tcp.host must be the address this call comes from "
             "(or in [dataplane] tcp_allow)"
         )
+    family, socktype, proto, _, sockaddr = infos[0]
+    return family, socktype, proto, sockaddr
+
+
+async def _addresses(host: str, port: int) -> list[tuple[Any, ...]]:
+    unresolved = PermissionDenied(
+        f"host_endpoint.tcp.host {host!r} does not resolve to an address the agent may dial"
+    )
+    try:  # a numeric address: no lookup, nothing that can block
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except UnicodeError:
+        raise unresolved from None
+    except OSError:
+        pass
+    try:
+        infos = await _lookup(host, port)
+    except (OSError, UnicodeError, TimeoutError):
+        raise unresolved from None
+    if not infos:
+        raise unresolved
+    return infos
+
+
+async def _lookup(host: str, port: int) -> list[tuple[Any, ...]]:
+    """Look `host` up on a daemon thread of its own, given up after RESOLVE_TIMEOUT."""
+    if not _resolvers.acquire(blocking=False):
+        raise Unavailable(
+            f"the agent is resolving {RESOLVERS} host names already: "
+            "give host_endpoint.tcp.host as an address"
+        )
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[list[tuple[Any, ...]]] = loop.create_future()
+
+    def settle(result: list[tuple[Any, ...]] | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result or [])
+
+    def run() -> None:
+        try:
+            result, error = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting call
+            result, error = None, exc
+        finally:
+            _resolvers.release()
+        with contextlib.suppress(RuntimeError):  # the loop closed: the agent is exiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="dpu-resolve", daemon=True).start()
+    async with asyncio.timeout(RESOLVE_TIMEOUT):
+        return await future

@@ -20,7 +20,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from dpu_agent.config import ConfigError
-from dpu_agent.dataplane.hostpolicy import Allow, check_host, parse_allow
+from dpu_agent.dataplane.hostpolicy import Allow, parse_allow, resolve_allowed
 from dpu_agent.dataplane.manager import TRANSPORT_TCP, TRANSPORT_VERBS
 from dpu_wire.transport import tcp
 from dpu_wire.transport.base import TcpAddress, TransportError
@@ -69,8 +69,8 @@ async def _tcp(  # noqa: PLR0913, PLR0917 - a LinkFactory (host, queue_depth, pe
 ) -> AgentLink:
     if not isinstance(host, TcpAddress):
         raise TransportError("the tcp transport needs a tcp host endpoint")
-    await check_host(host.host, peer, allow)
-    sock, token = await tcp.dial(host)
+    address = await resolve_allowed(host.host, host.port, peer, allow)
+    sock, token = await tcp.dial(host, address=address)
     return tcp.TcpAgentLink(
         sock,
         token,

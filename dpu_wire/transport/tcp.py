@@ -35,7 +35,7 @@ import secrets
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from dpu_wire.capsule import MAX_CAPSULE, MAX_INLINE, SUBMIT_SIZE, Span
 from dpu_wire.transport import _memory
@@ -425,10 +425,14 @@ def _hello(token: bytes) -> bytes:
 async def dial(
     host: TcpAddress,
     *,
+    address: tuple[int, int, int, Any] | None = None,
     connect_timeout: float = CONNECT_TIMEOUT,
     hello_timeout: float = HELLO_TIMEOUT,
 ) -> tuple[socket.socket, bytes]:
     """The agent's side of the handshake: connect, check the host's HELLO, send ours.
+
+    `address` (family, type, proto, sockaddr) is where to connect when the caller has
+    resolved and checked `host.host` already; None resolves it here.
 
     Nothing is sent to the listener before it proved, with the token the host gave in
     OpenSession, that it is the session's host. Returns the connected socket and the
@@ -440,8 +444,10 @@ async def dial(
     sock: socket.socket | None = None
     try:
         async with asyncio.timeout(connect_timeout):
-            infos = await loop.getaddrinfo(host.host, host.port, type=socket.SOCK_STREAM)
-            family, socktype, proto, _, sockaddr = infos[0]
+            if address is None:
+                info = (await loop.getaddrinfo(host.host, host.port, type=socket.SOCK_STREAM))[0]
+                address = (int(info[0]), int(info[1]), info[2], info[4])
+            family, socktype, proto, sockaddr = address
             sock = socket.socket(family, socktype, proto)
             sock.setblocking(False)
             await loop.sock_connect(sock, sockaddr)
