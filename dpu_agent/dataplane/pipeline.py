@@ -126,6 +126,25 @@ class _Group:
         return self.left == 0
 
 
+class _Waiter:
+    """A SubmitJob request waiting for a slot: its job (admitted) and who to answer.
+
+    A retry with the same request_id joins it (one job, every caller answered); a
+    caller that goes away (its RPC cancelled, or past its deadline) is withdrawn, and a
+    request nobody waits for any more is dropped, never run.
+    """
+
+    __slots__ = ("answers", "job")
+
+    def __init__(self, job: JobRecord, answer: Callable[[JobRecord | BaseException], None]) -> None:
+        self.job = job
+        self.answers = [answer]
+
+    def answer(self, result: JobRecord | BaseException) -> None:
+        for answer in self.answers:
+            answer(result)
+
+
 class _Run:
     """A running job: its generator, its buffers and what it waits for."""
 
@@ -181,10 +200,9 @@ class Pipeline(LinkSink):
         # COMPLETIONs waiting for the link: a host that takes none would grow this for
         # ever, as its jobs' slots free when their COMPLETION is queued (DP-2.6-6)
         self._backlog_max = max_waiting(queue_depth)
-        # SubmitJob requests waiting for a slot: the job (admitted) and who to answer
-        self._waiting: collections.deque[
-            tuple[JobRecord, Callable[[JobRecord | BaseException], None]]
-        ] = collections.deque()
+        # SubmitJob requests waiting for a slot, in order; those with a request_id by it
+        self._waiting: collections.deque[_Waiter] = collections.deque()
+        self._waiting_by_request: dict[str, _Waiter] = {}
         self._sweeper: Timer | None = None
         self.failed = False
         self.closed = False
@@ -322,6 +340,9 @@ class Pipeline(LinkSink):
             if request_id and request_id in self.by_request:
                 answer(self.job(self.by_request[request_id]))
                 return
+            if request_id and request_id in self._waiting_by_request:
+                self._waiting_by_request[request_id].answers.append(answer)  # a retry
+                return
             job = admit(
                 self, request, Origin.GRPC, request_id=request_id, rpc_request_id=rpc_request_id
             )
@@ -339,8 +360,29 @@ class Pipeline(LinkSink):
         elif len(self._waiting) >= MAX_WAITING:
             answer(ResourceExhausted(f"{MAX_WAITING} SubmitJob requests already wait for a slot"))
         else:
-            self._waiting.append((job, answer))
+            waiter = _Waiter(job, answer)
+            self._waiting.append(waiter)
+            if request_id:
+                self._waiting_by_request[request_id] = waiter
             self._arm_sweeper()
+
+    def withdraw(self, answer: Callable[[JobRecord | BaseException], None]) -> None:
+        """The caller behind `answer` went away: it waits for a slot no more.
+
+        A request nobody waits for is dropped, never run; one admitted already runs on.
+        """
+        for waiter in self._waiting:
+            if answer in waiter.answers:
+                waiter.answers.remove(answer)
+                if not waiter.answers:
+                    self._waiting.remove(waiter)
+                    self._forget_waiter(waiter)
+                return
+
+    def _forget_waiter(self, waiter: _Waiter) -> None:
+        key = waiter.job.request_id
+        if key and self._waiting_by_request.get(key) is waiter:
+            del self._waiting_by_request[key]
 
     def _admit_rpc(
         self, job: JobRecord, answer: Callable[[JobRecord | BaseException], None]
@@ -726,8 +768,9 @@ class Pipeline(LinkSink):
 
     def _serve_waiting(self) -> None:
         while self._waiting and len(self.open) < self.queue_depth:
-            job, answer = self._waiting.popleft()
-            self._admit_rpc(job, answer)
+            waiter = self._waiting.popleft()
+            self._forget_waiter(waiter)
+            self._admit_rpc(waiter.job, waiter.answer)
 
     # ------------------------------------------------------------ cancel, deadlines
 
@@ -749,13 +792,16 @@ class Pipeline(LinkSink):
         now = time.monotonic()
         for job in [j for j in self.open.values() if now > j.deadline]:
             self._end_late(job, self._run_of.get(job.job_id))
-        if any(now > job.deadline for job, _ in self._waiting):
+        if any(now > waiter.job.deadline for waiter in self._waiting):
             waiting, self._waiting = self._waiting, collections.deque()
-            for job, answer in waiting:
-                if now > job.deadline:
-                    answer(DeadlineExceeded("the job's deadline passed while it waited for a slot"))
+            for waiter in waiting:
+                if now > waiter.job.deadline:
+                    self._forget_waiter(waiter)
+                    waiter.answer(
+                        DeadlineExceeded("the job's deadline passed while it waited for a slot")
+                    )
                 else:
-                    self._waiting.append((job, answer))
+                    self._waiting.append(waiter)
         if self.open or self._waiting:
             self._arm_sweeper()
         self.end_pass()
@@ -777,8 +823,9 @@ class Pipeline(LinkSink):
     def _answer_waiting(self) -> None:
         """The session takes no jobs any more: answer who waits for a slot (with why)."""
         waiting, self._waiting = self._waiting, collections.deque()
-        for job, answer in waiting:
-            self._admit_rpc(job, answer)  # the session's check refuses it
+        self._waiting_by_request.clear()
+        for waiter in waiting:
+            self._admit_rpc(waiter.job, waiter.answer)  # the session's check refuses it
 
     def close(self, state: State, code: int, reason: str, done: Callable[[], None]) -> None:
         """End every open job (`state`), send their COMPLETIONs, then tear the link down."""

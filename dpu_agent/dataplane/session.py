@@ -288,7 +288,11 @@ class Session(SessionHooks):
                 answer=answer,
             )
         )
-        result = await answered
+        try:
+            result = await answered
+        except asyncio.CancelledError:  # the RPC went away: a waiting request is dropped
+            self._reactor.call(lambda: pipeline.withdraw(answer))
+            raise
         if isinstance(result, BaseException):
             raise result
         return result

@@ -600,7 +600,10 @@ class SubmitJobRequest(_message.Message):
     """Session the job runs on: "sessions/{session}"."""
     request_id: _builtins.str
     wait_for_slot: _builtins.bool
-    """Wait for a queue slot instead of answering RESOURCE_EXHAUSTED."""
+    """Wait for a queue slot instead of answering RESOURCE_EXHAUSTED. A request whose
+    caller goes away while it waits (the call cancelled, or past its deadline) is
+    dropped, never run; a retry with the same request_id joins the waiting request.
+    """
     @_builtins.property
     def spec(self) -> Global___JobSpec: ...
     def __init__(

@@ -2,12 +2,13 @@
 
 import asyncio
 
+import grpc
 import pytest
 
 import host_client
 from dpu_wire import capsule
 from dpu_wire.capsule import JobKind
-from dpu_wire.v1 import job_pb2
+from dpu_wire.v1 import job_pb2, storage_pb2
 from tests.integration.conftest import start_agent
 from tests.scenarios import bad_capsules
 
@@ -48,6 +49,48 @@ async def test_rpc_submit_answers_resource_exhausted_when_full_and_waits_on_requ
             client.stubs.jobs.ListJobs, job_pb2.ListJobsRequest(session=session.name)
         )
         assert len(listed.jobs) == 3
+
+
+async def test_a_submit_whose_caller_left_while_it_waited_for_a_slot_never_runs(agent):
+    """An abandoned wait_for_slot SubmitJob stayed queued and ran later, and its retry
+    with the same request_id, waiting too, became a second job (an outside audit).
+    Now a caller that goes away is withdrawn, and a retry joins the waiting request."""
+    async with (
+        host_client.Client(agent.address) as client,
+        await client.open_session(transport="tcp", queue_depth=1) as session,
+    ):
+        await client.create_volume("slot-blocker", 2 << 20)
+        limit = storage_pb2.QosLimits(write_bytes_per_second=64 << 10)
+        await client.set_volume_qos("volumes/slot-blocker", limit)
+        src = await session.alloc(1 << 20, readable=True)
+        # the session's one slot: a write the volume's QoS makes wait about 15 s
+        blocker = await session.submit_volume_write("volumes/slot-blocker", 0, src)
+        running = job_pb2.JOB_STATE_RUNNING  # the capsule and the RPCs below take other ways
+        while not [j for j in await client.list_jobs(session.name) if j.state == running]:  # noqa: ASYNC110 - polling another process
+            await asyncio.sleep(0.05)
+        spec = job_pb2.JobSpec()
+        spec.crc32c.source.CopyFrom(src[:4096].region_ref())
+        left = job_pb2.SubmitJobRequest(
+            session=session.name, spec=spec, request_id="left", wait_for_slot=True
+        )
+        for _ in range(2):  # the first attempt and its retry both give up
+            with pytest.raises(grpc.aio.AioRpcError) as gave_up:
+                await client.stubs.jobs.SubmitJob(left, timeout=0.5)
+            assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        joined = job_pb2.SubmitJobRequest(
+            session=session.name, spec=spec, request_id="joined", wait_for_slot=True
+        )
+        calls = [
+            asyncio.create_task(client._call(client.stubs.jobs.SubmitJob, joined)) for _ in range(2)
+        ]
+        await asyncio.sleep(0.3)
+        await session.cancel(blocker)  # the slot frees
+        first, retry = await asyncio.gather(*calls)
+        assert first.name == retry.name  # one job for both callers
+        await asyncio.sleep(0.5)
+        jobs = await client.list_jobs(session.name)
+        assert [j.request_id for j in jobs if j.request_id in ("left", "joined")] == ["joined"]
+        await client.delete_volume("volumes/slot-blocker")
 
 
 async def test_capsules_beyond_the_credits_are_refused_not_dropped(slow_agent):
