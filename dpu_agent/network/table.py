@@ -4,6 +4,13 @@ The table is the one writer of the datapath's rules on managed ports. Every chan
 goes to the datapath first and is saved only if it took; a failure rolls back, so
 the saved rules, the table and the datapath agree. On start the saved rules are
 re-applied, and filters the agent did not make are reported.
+
+A rule belongs to a tenant, and a caller checks that it may touch a rule before it
+asks the table to change it; an id can change hands in between (its rule deleted,
+another tenant's created under the id). So every change that names an existing rule
+checks the owner again under the table's lock: an update never changes a rule's
+tenant, and a delete (alone or in a bulk change) may name the tenant the caller found.
+A rule of another tenant then answers NotFound with a missing rule's text.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dpu_agent.errors import AlreadyExists, InvalidArgument, NotFound
 from dpu_agent.network.validate import check_rule
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
 
     from dpu_agent.network.backend import FlowBackend
     from dpu_agent.network.model import FlowRule, InstalledRule, PortInfo, RuleCounters
@@ -135,9 +142,12 @@ class FlowTable:
             return rule
 
     def update(self, rule: FlowRule) -> FlowRule:
-        """Replace a rule; if the new one does not take, the old one stays."""
+        """Replace a rule of the same tenant; if the new one does not take, the old one stays.
+
+        NotFound, as for a missing rule, if the rule of that id is another tenant's.
+        """
         with self._lock:
-            old = self._get(rule.rule_id)
+            old = self._get(rule.rule_id, rule.tenant)
             self._check(rule, replacing=old)
             self._backend.remove(old)
             try:
@@ -149,7 +159,13 @@ class FlowTable:
             self._save()
             return rule
 
-    def apply(self, changes: Changes, *, validate_only: bool = False) -> Applied:
+    def apply(
+        self,
+        changes: Changes,
+        *,
+        validate_only: bool = False,
+        owners: Mapping[str, str] | None = None,
+    ) -> Applied:
         """Create, update and delete rules as one unit: all of them or none.
 
         Every rule is checked, ids must be new (create) or known (update, delete) and
@@ -157,14 +173,19 @@ class FlowTable:
         another port), and no two rules of the result share a (port, priority); then
         the datapath gets the whole change at once and the store is saved once. If
         anything fails, the datapath, the table and the store stay as they were.
+
+        An update must keep its rule's tenant, and `owners` (rule id -> tenant) gives
+        the tenant a delete expects; a rule of another tenant answers NotFound as a
+        missing one does.
         """
         with self._lock:
             _check_ids(changes)
             for rule in changes.create:
                 if rule.rule_id in self._rules and rule.rule_id not in changes.delete:
                     raise AlreadyExists(f"flowRules/{rule.rule_id} already exists")
-            old = [self._get(r.rule_id) for r in changes.update]
-            gone = [self._get(rule_id) for rule_id in changes.delete]
+            old = [self._get(r.rule_id, r.tenant) for r in changes.update]
+            expected = owners or {}
+            gone = [self._get(rule_id, expected.get(rule_id)) for rule_id in changes.delete]
             ports = {p.name for p in self._backend.ports()}
             result = dict(self._rules)
             for rule in (*old, *gone):
@@ -192,10 +213,10 @@ class FlowTable:
                 raise
             return applied
 
-    def delete(self, rule_id: str) -> None:
-        """Remove a rule from the datapath and the store."""
+    def delete(self, rule_id: str, owner: str | None = None) -> None:
+        """Remove a rule (of tenant `owner`, when given) from the datapath and the store."""
         with self._lock:
-            rule = self._get(rule_id)
+            rule = self._get(rule_id, owner)
             self._backend.remove(rule)
             del self._rules[rule_id]
             self._save()
@@ -211,19 +232,31 @@ class FlowTable:
             chosen = [r for r in self._rules.values() if port is None or r.ingress_port == port]
         return sorted(chosen, key=lambda r: r.rule_id)
 
-    def counters(self, rule_id: str) -> RuleCounters:
-        """What the datapath counted for a rule."""
-        return self._backend.counters(self.get(rule_id))
-
-    def counters_many(self, rule_ids: Iterable[str]) -> dict[str, RuleCounters]:
-        """Counters of many rules in one read of the datapath; unknown ids are left out."""
+    def counters(self, rule_id: str, owner: str | None = None) -> RuleCounters:
+        """What the datapath counted for a rule (of tenant `owner`, when given)."""
         with self._lock:
-            rules = [self._rules[i] for i in rule_ids if i in self._rules]
+            rule = self._get(rule_id, owner)
+        return self._backend.counters(rule)
+
+    def counters_many(
+        self, rule_ids: Iterable[str], owner: str | None = None
+    ) -> dict[str, RuleCounters]:
+        """Counters of many rules in one read of the datapath.
+
+        Unknown ids, and rules of a tenant other than `owner` when it is given, are left out.
+        """
+        with self._lock:
+            rules = [
+                r
+                for r in (self._rules.get(i) for i in rule_ids)
+                if r is not None and (owner is None or r.tenant == owner)
+            ]
         return self._backend.counters_many(rules)
 
-    def _get(self, rule_id: str) -> FlowRule:
+    def _get(self, rule_id: str, owner: str | None = None) -> FlowRule:
+        """The rule; NotFound if there is none, or it is not tenant `owner`'s (when given)."""
         rule = self._rules.get(rule_id)
-        if rule is None:
+        if rule is None or (owner is not None and rule.tenant != owner):
             raise NotFound(f"flowRules/{rule_id} does not exist")
         return rule
 

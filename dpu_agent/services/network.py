@@ -310,7 +310,8 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         """One rule with its counters."""
         (rule_id,) = names.parse_name(request.name, "flowRules")
         rule = await self._owned(rule_id)
-        return rule_to(rule, await asyncio.to_thread(self._table.counters, rule_id))
+        counters = await asyncio.to_thread(self._table.counters, rule_id, rule.tenant)
+        return rule_to(rule, counters)
 
     async def ListFlowRules(
         self,
@@ -348,7 +349,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             if "actions" in paths
             else old.actions,
             offload=_OFFLOAD_IN[incoming.offload] if "offload" in paths else old.offload,
-            tenant=old.tenant,
+            tenant=old.tenant,  # the table refuses it if the id changed hands meanwhile
         )
         principal = auth.current_principal()
         return rule_to(await asyncio.to_thread(self._checked, new, principal, replace=True))
@@ -360,8 +361,9 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     ) -> network_pb2.DeleteFlowRuleResponse:
         """Remove a rule from the datapath."""
         (rule_id,) = names.parse_name(request.name, "flowRules")
-        await self._owned(rule_id)
-        await asyncio.to_thread(self._table.delete, rule_id)
+        rule = await self._owned(rule_id)
+        # the table checks the owner again: the id may have changed hands meanwhile
+        await asyncio.to_thread(self._table.delete, rule_id, rule.tenant)
         return network_pb2.DeleteFlowRuleResponse()
 
     async def ApplyFlowRules(
@@ -401,13 +403,15 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
                 )
             updates.append(new)
         changes = Changes(creates, tuple(updates), deletes)
+        # the table checks these owners again (and an update's): an id may change hands
+        owners = {r.rule_id: r.tenant for r in olds[len(update_ids) :]}
         async with self._creating:
             owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
             leaving = sum(1 for r in olds[len(update_ids) :] if r.tenant == tenant)
             if creates:
                 self._quotas.check_flow_rules(tenant, owned + len(creates) - leaving)
             applied = await asyncio.to_thread(
-                self._apply_bulk, changes, principal, request.validate_only
+                self._apply_bulk, changes, owners, principal, request.validate_only
             )
         return network_pb2.ApplyFlowRulesResponse(
             created=[rule_to(r) for r in applied.created],
@@ -424,16 +428,26 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             rules.append(rule)
         return rules
 
-    def _apply_bulk(self, changes: Changes, principal: Principal, validate_only: bool) -> Applied:  # noqa: FBT001
-        """Check every port the change names, then apply it, ownership held still. In a thread."""
+    def _apply_bulk(
+        self,
+        changes: Changes,
+        rule_owners: Mapping[str, str],
+        principal: Principal,
+        validate_only: bool,  # noqa: FBT001
+    ) -> Applied:
+        """Check every port the change names, then apply it, ownership held still. In a thread.
+
+        `rule_owners` gives the tenant each deleted rule had when the caller was checked.
+        """
         if self._owners is None:
-            return self._apply_checked(changes, principal, None, validate_only)
+            return self._apply_checked(changes, rule_owners, principal, None, validate_only)
         with self._owners.port_owners() as owners:
-            return self._apply_checked(changes, principal, owners, validate_only)
+            return self._apply_checked(changes, rule_owners, principal, owners, validate_only)
 
     def _apply_checked(
         self,
         changes: Changes,
+        rule_owners: Mapping[str, str],
         principal: Principal,
         owners: Mapping[str, str] | None,
         validate_only: bool,  # noqa: FBT001
@@ -441,7 +455,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         managed = {p.name for p in self._table.ports()}
         for rule in (*changes.create, *changes.update):
             check_rule_ports(rule, principal, managed, owners)
-        return self._table.apply(changes, validate_only=validate_only)
+        return self._table.apply(changes, validate_only=validate_only, owners=rule_owners)
 
     async def WatchFlowCounters(
         self,
@@ -474,7 +488,9 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             while True:
                 visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
                 ids = wanted or visible[:MAX_WATCHED_RULES]
-                counters = await asyncio.to_thread(self._table.counters_many, ids)
+                counters = await asyncio.to_thread(  # rules that changed hands are left out
+                    self._table.counters_many, ids, None if principal.admin else principal.tenant
+                )
                 for rule_id in ids:
                     counted = counters.get(rule_id)
                     if counted is not None:  # deleted meanwhile
