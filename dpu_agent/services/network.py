@@ -17,7 +17,7 @@ import ipaddress
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
-from dpu_agent.errors import InvalidArgument, ResourceExhausted
+from dpu_agent.errors import InvalidArgument, NotFound, ResourceExhausted
 from dpu_agent.network import model
 from dpu_agent.network.access import check_rule_ports
 from dpu_agent.network.table import Applied, Changes
@@ -281,13 +281,13 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     async def GetPort(
         self, request: network_pb2.GetPortRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> network_pb2.Port:
-        """One port. Admin role."""
+        """One port. Admin role; NotFound if the agent does not manage it."""
         auth.require_admin("reading a port")
         wanted = port_name(request.name, "name")
         for port in await asyncio.to_thread(self._table.ports):
             if port.name == wanted:
                 return port_to(port)
-        raise InvalidArgument(f"{request.name} is not a managed port")
+        raise NotFound(f"ports/{wanted} does not exist")  # as a rule naming it is answered
 
     async def CreateFlowRule(
         self,

@@ -86,13 +86,15 @@ class NetworkServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def ListPorts(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every port the agent manages, in one page. Admin role.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetPort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One port. Admin role; a port the agent does not manage is NOT_FOUND.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

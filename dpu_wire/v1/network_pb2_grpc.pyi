@@ -36,7 +36,9 @@ class NetworkServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> NetworkServiceAsyncStub: ...
     ListPorts: _grpc.UnaryUnaryMultiCallable[_network_pb2.ListPortsRequest, _network_pb2.ListPortsResponse]
+    """Every port the agent manages, in one page. Admin role."""
     GetPort: _grpc.UnaryUnaryMultiCallable[_network_pb2.GetPortRequest, _network_pb2.Port]
+    """One port. Admin role; a port the agent does not manage is NOT_FOUND."""
     CreateFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.CreateFlowRuleRequest, _network_pb2.FlowRule]
     GetFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]
     ListFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]
@@ -54,7 +56,9 @@ class NetworkServiceStub:
 class NetworkServiceAsyncStub(NetworkServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     ListPorts: _aio.UnaryUnaryMultiCallable[_network_pb2.ListPortsRequest, _network_pb2.ListPortsResponse]  # type: ignore[assignment]
+    """Every port the agent manages, in one page. Admin role."""
     GetPort: _aio.UnaryUnaryMultiCallable[_network_pb2.GetPortRequest, _network_pb2.Port]  # type: ignore[assignment]
+    """One port. Admin role; a port the agent does not manage is NOT_FOUND."""
     CreateFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.CreateFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
     GetFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
     ListFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]  # type: ignore[assignment]
@@ -74,14 +78,16 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _network_pb2.ListPortsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_network_pb2.ListPortsResponse, _abc.Awaitable[_network_pb2.ListPortsResponse]]: ...
+    ) -> _typing.Union[_network_pb2.ListPortsResponse, _abc.Awaitable[_network_pb2.ListPortsResponse]]:
+        """Every port the agent manages, in one page. Admin role."""
 
     @_abc_1.abstractmethod
     def GetPort(
         self,
         request: _network_pb2.GetPortRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_network_pb2.Port, _abc.Awaitable[_network_pb2.Port]]: ...
+    ) -> _typing.Union[_network_pb2.Port, _abc.Awaitable[_network_pb2.Port]]:
+        """One port. Admin role; a port the agent does not manage is NOT_FOUND."""
 
     @_abc_1.abstractmethod
     def CreateFlowRule(
