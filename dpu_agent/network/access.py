@@ -45,6 +45,9 @@ class PortOwners(Protocol):
     def port_owners(self) -> AbstractContextManager[Mapping[str, str]]:
         """Hold ownership still while the context lasts; yield port -> tenant."""
 
+    def port_functions(self) -> Mapping[str, str]:
+        """Representor port -> the id of the function it represents."""
+
 
 def named_ports(rule: FlowRule) -> Iterator[tuple[str, bool]]:
     """(port, is it the ingress port) for every port the rule names."""

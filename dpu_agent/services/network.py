@@ -208,8 +208,8 @@ def rule_to(r: model.FlowRule, counters: model.RuleCounters | None = None) -> ne
     return out
 
 
-def port_to(p: model.PortInfo) -> network_pb2.Port:
-    """The proto port."""
+def port_to(p: model.PortInfo, function: str = "") -> network_pb2.Port:
+    """The proto port (of function id `function`, for a function's representor)."""
     c = p.counters
     return network_pb2.Port(
         name=f"ports/{p.name}",
@@ -225,6 +225,7 @@ def port_to(p: model.PortInfo) -> network_pb2.Port:
             rx_dropped=c.rx_dropped,
             tx_dropped=c.tx_dropped,
         ),
+        function=f"functions/{function}" if function else "",
     )
 
 
@@ -270,13 +271,20 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         auth.check_owner(rule.tenant, f"flowRules/{rule_id}")  # the table's not-found text
         return rule
 
+    def _ports(self) -> tuple[list[model.PortInfo], Mapping[str, str]]:
+        """The managed ports, and representor port -> function id. In a thread."""
+        functions = self._owners.port_functions() if self._owners is not None else {}
+        return self._table.ports(), functions
+
     async def ListPorts(
         self, request: network_pb2.ListPortsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> network_pb2.ListPortsResponse:
         """Every managed port (one page: a DPU has few). Admin role."""
         auth.require_admin("listing the ports")
-        ports = await asyncio.to_thread(self._table.ports)
-        return network_pb2.ListPortsResponse(ports=[port_to(p) for p in ports])
+        ports, functions = await asyncio.to_thread(self._ports)
+        return network_pb2.ListPortsResponse(
+            ports=[port_to(p, functions.get(p.name, "")) for p in ports]
+        )
 
     async def GetPort(
         self, request: network_pb2.GetPortRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -284,9 +292,10 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         """One port. Admin role; NotFound if the agent does not manage it."""
         auth.require_admin("reading a port")
         wanted = port_name(request.name, "name")
-        for port in await asyncio.to_thread(self._table.ports):
+        ports, functions = await asyncio.to_thread(self._ports)
+        for port in ports:
             if port.name == wanted:
-                return port_to(port)
+                return port_to(port, functions.get(port.name, ""))
         raise NotFound(f"ports/{wanted} does not exist")  # as a rule naming it is answered
 
     async def CreateFlowRule(

@@ -185,6 +185,15 @@ class FunctionManager:
                 if r.provisioned is not None and r.provisioned.representor_port
             }
 
+    def port_functions(self) -> dict[str, str]:
+        """Representor port -> the id of the function it represents."""
+        with self._lock:
+            return {
+                r.provisioned.representor_port: r.spec.function_id
+                for r in self._records.values()
+                if r.provisioned is not None and r.provisioned.representor_port
+            }
+
     def by_port(self, port: str) -> FunctionRecord | None:
         """The function whose representor is `port`, if any."""
         with self._lock:

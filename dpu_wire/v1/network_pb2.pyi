@@ -147,7 +147,10 @@ class Port(_message.Message):
     mac_address: _builtins.str
     mtu: _builtins.int
     function: _builtins.str
-    """For representors: the function it represents, "functions/{function}"."""
+    """For the representor of one of the agent's functions: that function,
+    "functions/{function}"; empty for any other port (an uplink, a representor no
+    function holds, or an agent that manages no functions).
+    """
     @_builtins.property
     def counters(self) -> Global___PortCounters: ...
     def __init__(
@@ -590,7 +593,9 @@ class FlowRule(_message.Message):
         """Output only."""
 
     @_builtins.property
-    def times(self) -> _common_pb2.ResourceTimes: ...
+    def times(self) -> _common_pb2.ResourceTimes:
+        """Not set: the agent keeps no creation or update times of flow rules."""
+
     def __init__(
         self,
         *,

@@ -16,10 +16,15 @@ from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
 from dpu_agent.services.network import NetworkService
+from dpu_agent.virtualization.manager import FunctionManager
+from dpu_agent.virtualization.memory_backend import MemoryFunctionBackend
+from dpu_agent.virtualization.model import FunctionSpec, FunctionType
+from dpu_agent.virtualization.store import FunctionStore
 from dpu_wire.v1 import network_pb2
 
 T = TypeVar("T")
 ADMIN = Principal("ops", admin=True)
+A = Principal("tenant-a")
 CONTEXT: Any = None  # the service reads nothing from the gRPC context in these calls
 
 
@@ -45,3 +50,39 @@ def test_get_port_of_a_port_the_agent_does_not_manage_is_not_found(table: FlowTa
     request = network_pb2.GetPortRequest(name="ports/nope")
     with pytest.raises(NotFound, match=r"^ports/nope does not exist$"):
         call(ADMIN, lambda: service.GetPort(request, CONTEXT))
+
+
+def test_a_representor_port_names_its_function(table: FlowTable, tmp_path: Path) -> None:
+    functions = FunctionManager(
+        MemoryFunctionBackend(), FunctionStore(tmp_path / "f.json"), flow_rules=table.rules
+    )
+    functions.start()
+    functions.create(FunctionSpec("a-fn", FunctionType.VF, tenant="tenant-a"))
+    service = NetworkService(table, owners=functions)
+    listed = call(ADMIN, lambda: service.ListPorts(network_pb2.ListPortsRequest(), CONTEXT))
+    assert {p.name: p.function for p in listed.ports} == {
+        "ports/p0": "",
+        "ports/pf0vf0": "functions/a-fn",  # the memory backend's first representor
+        "ports/pf0vf1": "",
+        "ports/pf0vf2": "",
+    }
+    request = network_pb2.GetPortRequest(name="ports/pf0vf0")
+    assert call(ADMIN, lambda: service.GetPort(request, CONTEXT)).function == "functions/a-fn"
+    functions.delete("a-fn")
+    assert call(ADMIN, lambda: service.GetPort(request, CONTEXT)).function == ""
+    without_functions = NetworkService(table)
+    assert call(ADMIN, lambda: without_functions.GetPort(request, CONTEXT)).function == ""
+
+
+def test_a_flow_rule_carries_no_times_as_documented(table: FlowTable) -> None:
+    """network.proto: FlowRule.times is not set (the agent keeps no times of rules)."""
+    service = NetworkService(table)
+    rule = network_pb2.FlowRule(ingress_port="ports/pf0vf0", priority=1)
+    rule.actions.add().count.SetInParent()
+    create = network_pb2.CreateFlowRuleRequest(flow_rule_id="r1", flow_rule=rule)
+    made = call(A, lambda: service.CreateFlowRule(create, CONTEXT))
+    got = call(
+        A, lambda: service.GetFlowRule(network_pb2.GetFlowRuleRequest(name=made.name), CONTEXT)
+    )
+    assert not made.HasField("times")
+    assert not got.HasField("times")
