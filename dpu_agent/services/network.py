@@ -341,14 +341,26 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         request: network_pb2.UpdateFlowRuleRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> network_pb2.FlowRule:
-        """Change priority, match, actions or offload (the mask's paths; none: all four)."""
+        """Change priority, match, actions or offload (the mask's paths; none: all four).
+
+        The ingress port cannot change. Without a mask the request replaces the rule
+        (AIP-134), so an ingress port other than the rule's is INVALID_ARGUMENT, as in
+        ApplyFlowRules, rather than ignored; an empty one keeps the rule's.
+        """
         (rule_id,) = names.parse_name(request.flow_rule.name, "flowRules")
         paths = set(request.update_mask.paths) or _UPDATABLE
         if paths - _UPDATABLE:
             bad = ", ".join(sorted(paths - _UPDATABLE))
             raise InvalidArgument(f"update_mask: cannot update {bad} (only {sorted(_UPDATABLE)})")
-        old = await self._owned(rule_id)
+        old = await self._owned(rule_id)  # first: another tenant's rule is NOT_FOUND
         incoming = request.flow_rule
+        if not request.update_mask.paths and incoming.ingress_port:
+            port = port_name(incoming.ingress_port, "flow_rule.ingress_port")
+            if port != old.ingress_port:
+                raise InvalidArgument(
+                    f"flow_rule: the ingress port of flowRules/{rule_id} cannot change"
+                    " (delete it and create it)"
+                )
         new = model.FlowRule(
             rule_id=rule_id,
             priority=incoming.priority if "priority" in paths else old.priority,

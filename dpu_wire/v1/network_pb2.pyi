@@ -721,9 +721,13 @@ class UpdateFlowRuleRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
-    def flow_rule(self) -> Global___FlowRule: ...
+    def flow_rule(self) -> Global___FlowRule:
+        """name, and the fields update_mask names."""
+
     @_builtins.property
-    def update_mask(self) -> _field_mask_pb2.FieldMask: ...
+    def update_mask(self) -> _field_mask_pb2.FieldMask:
+        """Some of "priority", "match", "actions", "offload"; empty means all four."""
+
     def __init__(
         self,
         *,

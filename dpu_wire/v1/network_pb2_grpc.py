@@ -118,7 +118,11 @@ class NetworkServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateFlowRule(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Changes a rule's priority, match, actions or offload: the fields update_mask
+        names, or all four when it is empty. The ingress port cannot change (delete
+        the rule and create it): without a mask, an ingress port other than the rule's
+        is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

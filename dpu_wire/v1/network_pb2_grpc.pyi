@@ -43,6 +43,11 @@ class NetworkServiceStub:
     GetFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]
     ListFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]
     UpdateFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.UpdateFlowRuleRequest, _network_pb2.FlowRule]
+    """Changes a rule's priority, match, actions or offload: the fields update_mask
+    names, or all four when it is empty. The ingress port cannot change (delete
+    the rule and create it): without a mask, an ingress port other than the rule's
+    is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
+    """
     DeleteFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.DeleteFlowRuleRequest, _network_pb2.DeleteFlowRuleResponse]
     ApplyFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ApplyFlowRulesRequest, _network_pb2.ApplyFlowRulesResponse]
     """Creates, updates and deletes many rules as one unit: all of them or none (the
@@ -63,6 +68,11 @@ class NetworkServiceAsyncStub(NetworkServiceStub):
     GetFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
     ListFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]  # type: ignore[assignment]
     UpdateFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.UpdateFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
+    """Changes a rule's priority, match, actions or offload: the fields update_mask
+    names, or all four when it is empty. The ingress port cannot change (delete
+    the rule and create it): without a mask, an ingress port other than the rule's
+    is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
+    """
     DeleteFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.DeleteFlowRuleRequest, _network_pb2.DeleteFlowRuleResponse]  # type: ignore[assignment]
     ApplyFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ApplyFlowRulesRequest, _network_pb2.ApplyFlowRulesResponse]  # type: ignore[assignment]
     """Creates, updates and deletes many rules as one unit: all of them or none (the
@@ -115,7 +125,12 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _network_pb2.UpdateFlowRuleRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_network_pb2.FlowRule, _abc.Awaitable[_network_pb2.FlowRule]]: ...
+    ) -> _typing.Union[_network_pb2.FlowRule, _abc.Awaitable[_network_pb2.FlowRule]]:
+        """Changes a rule's priority, match, actions or offload: the fields update_mask
+        names, or all four when it is empty. The ingress port cannot change (delete
+        the rule and create it): without a mask, an ingress port other than the rule's
+        is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
+        """
 
     @_abc_1.abstractmethod
     def DeleteFlowRule(

@@ -11,7 +11,7 @@ import pytest
 
 from dpu_agent import auth
 from dpu_agent.auth import Principal
-from dpu_agent.errors import NotFound
+from dpu_agent.errors import InvalidArgument, NotFound
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
@@ -25,6 +25,7 @@ from dpu_wire.v1 import network_pb2
 T = TypeVar("T")
 ADMIN = Principal("ops", admin=True)
 A = Principal("tenant-a")
+B = Principal("tenant-b")
 CONTEXT: Any = None  # the service reads nothing from the gRPC context in these calls
 
 
@@ -86,3 +87,33 @@ def test_a_flow_rule_carries_no_times_as_documented(table: FlowTable) -> None:
     )
     assert not made.HasField("times")
     assert not got.HasField("times")
+
+
+def count_rule(name: str, port: str, priority: int) -> network_pb2.FlowRule:
+    rule = network_pb2.FlowRule(name=name, ingress_port=port, priority=priority)
+    rule.actions.add().count.SetInParent()
+    return rule
+
+
+def test_an_update_without_a_mask_may_not_move_the_rule(table: FlowTable) -> None:
+    """No mask replaces the rule (AIP-134); its ingress port cannot change, so it is refused."""
+    service = NetworkService(table)
+    create = network_pb2.CreateFlowRuleRequest(
+        flow_rule_id="r1", flow_rule=count_rule("", "ports/pf0vf0", 10)
+    )
+    call(A, lambda: service.CreateFlowRule(create, CONTEXT))
+
+    def update(principal: Principal, port: str, priority: int) -> network_pb2.FlowRule:
+        request = network_pb2.UpdateFlowRuleRequest(
+            flow_rule=count_rule("flowRules/r1", port, priority)
+        )
+        return call(principal, lambda: service.UpdateFlowRule(request, CONTEXT))
+
+    with pytest.raises(InvalidArgument, match="ingress port of flowRules/r1 cannot change"):
+        update(A, "ports/pf0vf1", 11)
+    with pytest.raises(NotFound, match=r"^flowRules/r1 does not exist$"):  # not a hint
+        update(B, "ports/pf0vf1", 11)
+    assert [(r.ingress_port, r.priority) for r in table.rules()] == [("pf0vf0", 10)]
+    assert update(A, "ports/pf0vf0", 11).ingress_port == "ports/pf0vf0"  # the same port
+    assert update(A, "", 12).ingress_port == "ports/pf0vf0"  # none given: kept
+    assert [(r.ingress_port, r.priority) for r in table.rules()] == [("pf0vf0", 12)]
