@@ -91,7 +91,8 @@ Example file (every key optional):
     max_snapshots = 1024          # snapshots of a tenant (on by default)
     max_sessions = 16             # open sessions of a tenant (on by default)
     max_queue_depth = 0           # jobs in flight over all the tenant's sessions
-    max_flow_rules = 0
+    max_flow_rules = 1024         # flow rules of a tenant (on by default)
+    max_functions = 64            # functions (VFs, SFs, virtio, NVMe) of a tenant (on)
 
 Without [tls] files the agent refuses to start unless plaintext_loopback is set and
 it listens on loopback. With them every caller needs a client certificate that chains
@@ -195,7 +196,8 @@ class AgentConfig:
     quota_max_snapshots: int = 1024
     quota_max_sessions: int = 16
     quota_max_queue_depth: int = 0
-    quota_max_flow_rules: int = 0
+    quota_max_flow_rules: int = 1024
+    quota_max_functions: int = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -604,6 +606,7 @@ SETTINGS: Final = (
             ("max_sessions", _integer(1, 4096, NO_LIMIT), "sessions per tenant"),
             ("max_queue_depth", _integer(1, 1 << 22, NO_LIMIT), "jobs in flight per tenant"),
             ("max_flow_rules", _integer(1, 1 << 20, NO_LIMIT), "flow rules per tenant"),
+            ("max_functions", _integer(1, 1 << 20, NO_LIMIT), "functions per tenant"),
         )
     ),
 )

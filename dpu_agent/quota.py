@@ -12,7 +12,10 @@ concurrent calls cannot both slip under a limit. Admins are bound like everyone 
   Enforced by the StorageService.
 - max_sessions, max_queue_depth: open sessions and the sum of their queue depths,
   i.e. the jobs a tenant may have in flight at once. Enforced by the SessionManager.
-- max_flow_rules: flow rules a tenant owns. Enforced by the NetworkService.
+- max_flow_rules: flow rules a tenant owns (1024 by default: each one costs every
+  later change of the rule table). Enforced by the NetworkService.
+- max_functions: functions a tenant owns (64 by default: the agent's 1024, and the
+  NIC's VFs and SFs, are shared by every tenant). Enforced by the FunctionManager.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Quotas:
     max_sessions: int = 0
     max_queue_depth: int = 0
     max_flow_rules: int = 0
+    max_functions: int = 0
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> Quotas:
@@ -47,6 +51,7 @@ class Quotas:
             max_sessions=config.quota_max_sessions,
             max_queue_depth=config.quota_max_queue_depth,
             max_flow_rules=config.quota_max_flow_rules,
+            max_functions=config.quota_max_functions,
         )
 
     def check_volumes(self, tenant: str, count: int, size_bytes: int) -> None:
@@ -72,6 +77,10 @@ class Quotas:
     def check_flow_rules(self, tenant: str, count: int) -> None:
         """`count` flow rules would fit."""
         _check(tenant, "max_flow_rules", self.max_flow_rules, count, "flow rules")
+
+    def check_functions(self, tenant: str, count: int) -> None:
+        """`count` functions would fit."""
+        _check(tenant, "max_functions", self.max_functions, count, "functions")
 
 
 def _check(tenant: str, key: str, limit: int, wanted: int, what: str) -> None:

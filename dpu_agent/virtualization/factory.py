@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from dpu_agent.config import ConfigError, functions_file
+from dpu_agent.quota import Quotas
 from dpu_agent.virtualization.bluefield import BlueFieldFunctionBackend
 from dpu_agent.virtualization.linux_backend import LinuxFunctionBackend, LinuxSettings
 from dpu_agent.virtualization.manager import FunctionManager
@@ -61,6 +62,7 @@ def open_functions(
         volumes=volumes,
         exports=exports,
         flow_rules=flow_rules,
+        quotas=Quotas.from_config(config),
     )
     report = manager.start()
     log.info(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from dpu_agent.errors import AgentError, AlreadyExists, FailedPrecondition, NotFound
 from dpu_agent.network.model import Forward, Mirror
+from dpu_agent.quota import Quotas
 from dpu_agent.virtualization.model import (
     MUTABLE_FIELDS,
     FunctionRecord,
@@ -107,6 +108,7 @@ class FunctionManager:
         exports: VolumeExports | None = None,
         flow_rules: Callable[[], list[FlowRule]] | None = None,
         max_functions: int = MAX_FUNCTIONS,
+        quotas: Quotas | None = None,
     ) -> None:
         self.backend = backend
         self._store = store
@@ -114,6 +116,7 @@ class FunctionManager:
         self._exports = exports
         self._flow_rules = flow_rules or list
         self._max = max_functions
+        self._quotas = quotas or Quotas()
         self._records: dict[str, FunctionRecord] = {}
         self._lock = threading.RLock()
 
@@ -208,6 +211,8 @@ class FunctionManager:
         with self._lock:
             if spec.function_id in self._records:
                 raise AlreadyExists(f"functions/{spec.function_id} already exists")
+            owned = sum(1 for r in self._records.values() if r.spec.tenant == spec.tenant)
+            self._quotas.check_functions(spec.tenant, owned + 1)
             if len(self._records) >= self._max:
                 raise FailedPrecondition(f"this agent manages at most {self._max} functions")
             claimed = self._claim_volume(spec)

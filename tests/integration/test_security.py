@@ -19,7 +19,7 @@ import pytest
 
 import host_client
 from dpu_wire.capsule import JobKind, Span
-from dpu_wire.v1 import job_pb2, network_pb2, session_pb2
+from dpu_wire.v1 import job_pb2, network_pb2, session_pb2, virtualization_pb2
 from tests.integration.conftest import start_agent
 from tests.integration.pki import LabPki, make_pki
 
@@ -498,6 +498,40 @@ async def test_a_bad_size_is_invalid_argument_whatever_the_quota(quota_agent, pk
                 await e.clone_volume("bs-clone", "snapshots/bs-snap", size_bytes=size)
         await e.delete_volume("volumes/bs")
         await e.delete_snapshot("snapshots/bs-snap")
+
+
+@pytest.fixture(scope="module")
+def function_quota_agent(tmp_path_factory, pki):
+    env = {
+        "DPU_AGENT_QUOTA_MAX_FUNCTIONS": "2",
+        "DPU_AGENT_NETWORK_BACKEND": "memory",
+        "DPU_AGENT_VIRT_BACKEND": "memory",
+    }
+    agent = start_agent(tmp_path_factory.mktemp("function-quota-agent"), pki=pki, env=env)
+    yield agent
+    assert agent.terminate() == 0, agent.log_path.read_text()
+
+
+@pytest.mark.asyncio
+async def test_function_quota_is_per_tenant(function_quota_agent, pki):
+    """One tenant made all 1,024 of the agent's functions and locked the others out (an
+    audit); [quota] max_functions (64 by default) bounds each tenant's share."""
+    vf = virtualization_pb2.Function(type=virtualization_pb2.FUNCTION_TYPE_VF)
+    async with (
+        tenant(function_quota_agent, pki, "tenant-f") as f,
+        tenant(function_quota_agent, pki, "tenant-g") as g,
+    ):
+        await f.create_function("fq-1", vf)
+        await f.create_function("fq-2", vf)
+        with pytest.raises(host_client.ResourceExhaustedError, match="max_functions") as hit:
+            await f.create_function("fq-3", vf)
+        assert "tenant 'tenant-f' would hold 3 functions; its quota is 2" in hit.value.message
+        await g.create_function("gq-1", vf)  # per tenant: G has its own
+        await f.delete_function("functions/fq-1")
+        await f.create_function("fq-3", vf)
+        for name in ("functions/fq-2", "functions/fq-3"):
+            await f.delete_function(name)
+        await g.delete_function("functions/gq-1")
 
 
 @pytest.mark.asyncio
