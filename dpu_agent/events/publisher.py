@@ -5,16 +5,28 @@ which only encodes it and appends it to an in-memory backlog: it never waits, ne
 raises, and works whether or not a broker is reachable. A background task owns the
 connection:
 
-    connect ──▶ publish status "online" (retained) ──▶ send the backlog in order,
-       ▲        up to `window` QoS 1 messages awaiting PUBACK; telemetry every N s
+    connect ──▶ publish status "online" (retained) ──▶ send the backlog, tenants in
+       ▲        turn, up to `window` QoS 1 messages awaiting PUBACK; telemetry every N s
        │                               │ connection lost / publish failed
        └── backoff (doubling, capped, ─┘ unacknowledged messages go back to the
            with jitter)                  front of the backlog, in order
 
 A message leaves the backlog only when the broker acknowledged it, so a broker that
 is down or restarting loses nothing the backlog can hold (QoS 1: a message whose
-PUBACK was lost is sent again, so a subscriber may see a duplicate). When the backlog
-is full (`backlog` messages) new completions are refused and counted as `dropped`.
+PUBACK was lost is sent again, so a subscriber may see a duplicate).
+
+The backlog is shared fairly by the tenants whose completions it holds. Each tenant
+has its own queue, sent in order; the queues take turns, one message each, so a
+completion waits behind the `window` messages in flight and at most one message of
+each other tenant per completion ahead of it in its own queue, however many another
+tenant has waiting. The backlog holds `backlog` messages in all (those awaiting
+their PUBACK included); a tenant's share is `backlog` divided by the number of
+tenants with messages waiting. When the backlog is full, a completion of a tenant
+holding its share or more is refused; one of a tenant under its share takes the
+place of the newest waiting completion of the tenant holding the most. So a tenant
+loses completions only while it holds about its share or more, and then its newest;
+each is counted as `dropped` (the first of each tenant in a spell is logged, naming
+the tenant). Status and telemetry are not in the backlog: they are published directly.
 
 `stop()` sends what it can of the backlog within `flush_timeout`, publishes status
 "offline" (retained) and disconnects cleanly. If the agent dies or its link is cut,
@@ -82,7 +94,8 @@ class MqttSettings:
         password: password (never logged, not in repr).
         keepalive: seconds between MQTT pings; the broker declares the agent gone
             (and publishes its will) after 1.5 times this without traffic.
-        backlog: completions held while the broker is slow or away; more are dropped.
+        backlog: completions held while the broker is slow or away, all tenants
+            together; beyond a tenant's share of it, that tenant's newest are dropped.
         window: QoS 1 messages sent and not yet acknowledged, at most. 64 is the
             fastest on loopback; aiomqtt's cost per publish grows with the number
             pending, so a much larger window is slower, not faster.
@@ -141,8 +154,81 @@ class _Counters:
 
 @dataclasses.dataclass(slots=True)
 class _Message:
+    tenant: str
     topic: str
     payload: bytes
+
+
+class _Backlog:
+    """Completions waiting to be sent: a queue per tenant, the queues served in turn.
+
+    A tenant's queue exists while it holds messages. `pop()` takes the oldest message
+    of the tenant whose turn it is and passes the turn on.
+    """
+
+    def __init__(self) -> None:
+        self._queues: collections.OrderedDict[str, collections.deque[_Message]] = (
+            collections.OrderedDict()
+        )
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tenants(self) -> int:
+        """Tenants with messages waiting."""
+        return len(self._queues)
+
+    def held(self, tenant: str) -> int:
+        """Messages of `tenant` waiting."""
+        queue = self._queues.get(tenant)
+        return 0 if queue is None else len(queue)
+
+    def append(self, message: _Message) -> None:
+        """Queue a message last of its tenant's (a new tenant's turn comes last)."""
+        queue = self._queues.get(message.tenant)
+        if queue is None:
+            queue = self._queues[message.tenant] = collections.deque()
+        queue.append(message)
+        self._size += 1
+
+    def pop(self) -> _Message:
+        """The oldest message of the tenant whose turn it is; the turn passes on."""
+        tenant, queue = next(iter(self._queues.items()))
+        message = queue.popleft()
+        self._size -= 1
+        if queue:
+            self._queues.move_to_end(tenant)
+        else:
+            del self._queues[tenant]
+        return message
+
+    def put_back(self, messages: Sequence[_Message]) -> None:
+        """Put messages taken by `pop()` back, in order, ahead of the rest of their tenant's.
+
+        Their tenants' turns come first.
+        """
+        for message in reversed(messages):
+            queue = self._queues.get(message.tenant)
+            if queue is None:
+                queue = self._queues[message.tenant] = collections.deque()
+            self._queues.move_to_end(message.tenant, last=False)
+            queue.appendleft(message)
+            self._size += 1
+
+    def drop_newest_of_the_largest(self) -> str | None:
+        """Drop the newest message of the tenant holding the most.
+
+        Returns that tenant, or None if nothing waits.
+        """
+        if not self._queues:
+            return None
+        tenant, queue = max(self._queues.items(), key=lambda item: len(item[1]))
+        queue.pop()
+        self._size -= 1
+        if not queue:
+            del self._queues[tenant]
+        return tenant
 
 
 class MqttEventPublisher:
@@ -171,7 +257,7 @@ class MqttEventPublisher:
         self._status_topic = payloads.status_topic(prefix, agent_id)
         self._telemetry_topic = payloads.telemetry_topic(prefix, agent_id)
         self._client_id = settings.client_id or f"dpu-agent-{agent_id}"
-        self._backlog: collections.deque[_Message] = collections.deque()
+        self._backlog = _Backlog()
         self._inflight: dict[int, _Message] = {}  # sent, awaiting PUBACK; in send order
         self._next_seq = 0
         self._counters = _Counters()
@@ -183,7 +269,7 @@ class MqttEventPublisher:
         self._closed = False
         self._flush_deadline = math.inf
         self._connected = asyncio.Event()
-        self._overflow_logged = False
+        self._overflowing: set[str] = set()  # tenants that lost completions, logged
         self._telemetry_failing = False
         self._mqtt: aiomqtt.Client | None = None  # the current connection (for tests)
         try:  # the loop completions are handed to (on_completions); set again in start()
@@ -270,16 +356,12 @@ class MqttEventPublisher:
             if self._closed:
                 counters.dropped += 1
                 return
-            if len(self._backlog) + len(self._inflight) >= self.settings.backlog:
-                counters.dropped += 1
-                if not self._overflow_logged:
-                    self._overflow_logged = True
-                    log.warning(
-                        "event backlog full; dropping completions until it drains",
-                        extra={"backlog": self.settings.backlog},
-                    )
+            tenant = session.tenant
+            if self._full() and self._holds_its_share(tenant):
+                self._drop(tenant)
                 return
             message = _Message(
+                tenant,
                 payloads.completion_topic(
                     self.settings.topic_prefix,
                     self.agent_id,
@@ -293,16 +375,42 @@ class MqttEventPublisher:
             counters.rejected += 1
             log.exception("cannot encode a completion event", extra={"job": job.job_id})
             return
+        if self._full():  # the tenant is under its share: the largest one makes room
+            largest = self._backlog.drop_newest_of_the_largest()
+            if largest is None:  # nothing waits: all of the backlog awaits PUBACKs
+                self._drop(tenant)
+                return
+            self._drop(largest)
         self._backlog.append(message)
         counters.queued += 1
         self._wake.set()
+
+    def _full(self) -> bool:
+        return len(self._backlog) + len(self._inflight) >= self.settings.backlog
+
+    def _holds_its_share(self, tenant: str) -> bool:
+        """Whether `tenant` has at least `backlog` / (tenants with messages waiting)."""
+        held = self._backlog.held(tenant)
+        tenants = self._backlog.tenants() + (held == 0)
+        return held * tenants >= self.settings.backlog
+
+    def _drop(self, tenant: str) -> None:
+        """Count a completion of `tenant` lost to a full backlog; log the first of a spell."""
+        self._counters.dropped += 1
+        if tenant not in self._overflowing:
+            self._overflowing.add(tenant)
+            log.warning(
+                "event backlog full; dropping this tenant's newest completions",
+                extra={"tenant": tenant, "backlog": self.settings.backlog},
+            )
 
     def stats(self) -> dict[str, int]:
         """Counters (64-bit, wrapping) and gauges of the event plane.
 
         queued: completions accepted into the backlog. published: completions the
-        broker acknowledged (each once; queued == published + unsent). dropped:
-        completions refused because the backlog was full or the publisher stopped.
+        broker acknowledged (each once). dropped: completions lost to a full backlog
+        (refused, or accepted and later making room for a tenant under its share) or
+        refused after stop; queued == published + unsent + those that made room.
         rejected: completions that could not be encoded (logged). unsent: in the
         backlog now, waiting or awaiting their PUBACK. reconnects: successful
         connections after the first. connect_failures: connection attempts that
@@ -443,17 +551,9 @@ class MqttEventPublisher:
         tasks: set[asyncio.Task[None]] = set()
         if self.settings.telemetry_interval > 0:
             tasks.add(asyncio.create_task(self._telemetry(client)))
-        window = self.settings.window
         try:
             while True:
-                while self._backlog and len(self._inflight) < window:
-                    message = self._backlog.popleft()
-                    seq = self._next_seq
-                    self._next_seq += 1
-                    self._inflight[seq] = message
-                    task = asyncio.create_task(self._send(client, seq, message))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                self._send_waiting(client, tasks)
                 if self._link_error is not None:
                     raise self._link_error
                 timeout = None
@@ -475,6 +575,19 @@ class MqttEventPublisher:
             await asyncio.gather(watch, *tasks, return_exceptions=True)
             self._requeue()
 
+    def _send_waiting(self, client: aiomqtt.Client, tasks: set[asyncio.Task[None]]) -> None:
+        """Send waiting messages, tenants in turn, while the window has room."""
+        while self._backlog and len(self._inflight) < self.settings.window:
+            message = self._backlog.pop()
+            seq = self._next_seq
+            self._next_seq += 1
+            self._inflight[seq] = message
+            task = asyncio.create_task(self._send(client, seq, message))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if not self._backlog:
+            self._overflowing.clear()  # a new spell of drops is logged again
+
     async def _send(self, client: aiomqtt.Client, seq: int, message: _Message) -> None:
         try:
             await client.publish(message.topic, message.payload, qos=1)
@@ -489,10 +602,8 @@ class MqttEventPublisher:
     def _requeue(self) -> None:
         """Put unacknowledged messages back at the front of the backlog, in order."""
         if self._inflight:
-            self._backlog.extendleft(reversed(self._inflight.values()))
+            self._backlog.put_back(list(self._inflight.values()))
             self._inflight.clear()
-        if self._overflow_logged and not self._backlog:
-            self._overflow_logged = False
 
     async def _telemetry(self, client: aiomqtt.Client) -> None:
         while True:

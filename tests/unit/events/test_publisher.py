@@ -1,8 +1,11 @@
 """The publisher's producer side and settings, without a broker."""
 
+import asyncio
+import contextlib
 import dataclasses
 import types
 
+import aiomqtt
 import pytest
 
 from dpu_agent.dataplane.jobs import JobRecord, Origin
@@ -22,6 +25,70 @@ def session(tenant="default"):
     return types.SimpleNamespace(tenant=tenant, session_id="s-1")
 
 
+class SlowBroker:
+    """Stands in for aiomqtt.Client: takes one QoS 1 message per event-loop pass.
+
+    `sent` lists (tenant, job id) of the completions it acknowledged, in order. With
+    `fail_after`, the link breaks once that many completions were acknowledged: the
+    publish in progress fails, and so does every one after it on that connection.
+    """
+
+    def __init__(self, fail_after=None):
+        self.sent: list[tuple[str, int]] = []
+        self.fail_after = fail_after
+        self._disconnected: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.messages = self._messages()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info):
+        return None
+
+    async def _messages(self):
+        await asyncio.Event().wait()  # the link never ends by itself
+        yield None
+
+    async def publish(self, topic, *_payload_and_options, **_options):
+        await asyncio.sleep(0)
+        levels = topic.split("/")
+        if levels[-1] != "completion":
+            return  # status
+        if self.fail_after is not None and len(self.sent) >= self.fail_after:
+            raise aiomqtt.MqttError("link cut")
+        self.sent.append((levels[levels.index("tenants") + 1], int(levels[-2])))
+
+
+@contextlib.asynccontextmanager
+async def publishing_to(brokers, **settings):
+    """A started publisher whose connections are `brokers`, one per (re)connection."""
+    values = {"telemetry_interval": 0.0, "window": 8, "reconnect_min": 0.01}
+    publisher = MqttEventPublisher(MqttSettings(**{**values, **settings}), "dpu-0")
+    connections = iter(brokers)
+    publisher._client = lambda: next(connections)  # type: ignore[method-assign]
+    publisher.start()
+    try:
+        yield publisher
+    finally:
+        await publisher.stop(flush_timeout=0.0)
+
+
+async def until(predicate, within=5.0):
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110 - counters have no event to wait on
+            await asyncio.sleep(0.001)
+
+
+def take_waiting(publisher):
+    """Empty the backlog of a publisher that is not started: (tenant, job id) in the
+    order it would send them."""
+    backlog, taken = publisher._backlog, []
+    while len(backlog):
+        message = backlog.pop()
+        taken.append((message.tenant, int(message.topic.split("/")[-2])))
+    return taken
+
+
 def test_backlog_is_bounded_and_overflow_counted():
     publisher = MqttEventPublisher(MqttSettings(backlog=3), "dpu-0")
     s = session()
@@ -29,7 +96,92 @@ def test_backlog_is_bounded_and_overflow_counted():
         publisher.publish_completion(s, finished_job(job_id))
     stats = publisher.stats()
     assert (stats["queued"], stats["unsent"], stats["dropped"]) == (3, 3, 2)
-    assert [m.topic.split("/")[-2] for m in publisher._backlog] == ["0", "1", "2"]
+    assert take_waiting(publisher) == [("default", 0), ("default", 1), ("default", 2)]
+
+
+def test_full_backlog_is_shared_by_the_tenants_and_sent_in_turn():
+    publisher = MqttEventPublisher(MqttSettings(backlog=10), "dpu-0")
+    flooding, other = session("tenant-a"), session("tenant-b")
+    for job_id in range(20):
+        publisher.publish_completion(flooding, finished_job(job_id))
+    assert (publisher.stats()["queued"], publisher.stats()["dropped"]) == (10, 10)
+    # under its share (10 / 2 tenants), tenant-b's completions take the places of
+    # tenant-a's newest; at its share, its own newest are refused
+    for job_id in range(7):
+        publisher.publish_completion(other, finished_job(job_id))
+    publisher.publish_completion(flooding, finished_job(99))  # at its share: refused
+    stats = publisher.stats()
+    assert (stats["queued"], stats["unsent"], stats["dropped"]) == (15, 10, 10 + 5 + 2 + 1)
+    a_jobs = [("tenant-a", job_id) for job_id in range(5)]
+    b_jobs = [("tenant-b", job_id) for job_id in range(5)]
+    assert take_waiting(publisher) == [
+        job for pair in zip(a_jobs, b_jobs, strict=True) for job in pair
+    ]
+
+
+def test_a_backlog_full_of_messages_awaiting_pubacks_refuses_new_ones():
+    publisher = MqttEventPublisher(MqttSettings(backlog=2), "dpu-0")
+    for job_id in range(2):
+        publisher.publish_completion(session("tenant-a"), finished_job(job_id))
+    publisher._inflight = {seq: publisher._backlog.pop() for seq in range(2)}  # sent
+    publisher.publish_completion(session("tenant-b"), finished_job(0))
+    stats = publisher.stats()
+    assert (stats["queued"], stats["unsent"], stats["dropped"]) == (2, 2, 1)
+
+
+@pytest.mark.asyncio
+async def test_a_flooding_tenant_cannot_get_anothers_completions_dropped():
+    broker = SlowBroker()
+    async with publishing_to([broker], backlog=100) as publisher:
+        await publisher.wait_connected()
+        flooding, other = session("tenant-a"), session("tenant-b")
+        for job_id in range(1000):  # far more than the link takes meanwhile
+            publisher.publish_completion(flooding, finished_job(job_id))
+        assert publisher.stats()["dropped"] > 0  # tenant-a filled the backlog
+        for job_id in range(20):
+            publisher.publish_completion(other, finished_job(job_id))
+        await until(lambda: publisher.stats()["unsent"] == 0)
+    assert [job for tenant, job in broker.sent if tenant == "tenant-b"] == list(range(20))
+    stats = publisher.stats()
+    assert stats["published"] == len(broker.sent)
+    assert stats["published"] + stats["dropped"] == 1020
+
+
+@pytest.mark.asyncio
+async def test_a_flooding_tenant_cannot_delay_another_much():
+    broker = SlowBroker()
+    window = 8
+    async with publishing_to([broker], backlog=100_000, window=window) as publisher:
+        await publisher.wait_connected()
+        flooding, other = session("tenant-a"), session("tenant-b")
+        for job_id in range(2000):
+            publisher.publish_completion(flooding, finished_job(job_id))
+        await until(lambda: len(broker.sent) >= 100)  # tenant-a's events on their way
+        ahead = len(broker.sent)
+        for job_id in range(10):
+            publisher.publish_completion(other, finished_job(job_id))
+        for job_id in range(2000, 4000):  # tenant-a keeps flooding
+            publisher.publish_completion(flooding, finished_job(job_id))
+        await until(lambda: ("tenant-b", 9) in broker.sent)
+        # tenant-b's 10 events waited for those already in flight, then took turns
+        # with tenant-a's: not behind the thousands of tenant-a's queued before them
+        assert broker.sent.index(("tenant-b", 9)) - ahead < window + 2 * 10
+    assert publisher.stats()["dropped"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_lost_link_resends_each_tenants_completions_in_order():
+    brokers = [SlowBroker(fail_after=30), SlowBroker()]
+    async with publishing_to(brokers) as publisher:
+        for job_id in range(50):
+            for tenant in ("tenant-a", "tenant-b", "tenant-c"):
+                publisher.publish_completion(session(tenant), finished_job(job_id))
+        await until(lambda: publisher.stats()["published"] == 150)
+        assert publisher.stats()["reconnects"] == 1
+    for tenant in ("tenant-a", "tenant-b", "tenant-c"):
+        jobs = [job for name, job in brokers[0].sent + brokers[1].sent if name == tenant]
+        assert jobs == list(range(50))
+    assert publisher.stats()["unsent"] == 0
 
 
 def test_publish_completion_never_raises():
