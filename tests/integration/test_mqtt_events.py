@@ -55,9 +55,9 @@ def settings(broker_port, **overrides):
     return MqttSettings(**{**values, **overrides})
 
 
-def make_session(session_id="s-1a2b3c") -> types.SimpleNamespace:
+def make_session(session_id="s-1a2b3c", tenant="default") -> types.SimpleNamespace:
     """What the publisher reads of a session: its tenant and id."""
-    return types.SimpleNamespace(session_id=session_id, tenant="default")
+    return types.SimpleNamespace(session_id=session_id, tenant=tenant)
 
 
 def finished_job(job_id):
@@ -389,6 +389,33 @@ async def test_full_backlog_drops_the_newest_and_counts_them(tmp_path):
             await until(lambda: publisher.stats()["published"] == 51, "new event sent")
         async with persistent_subscriber(broker) as subscriber:
             assert await completion_ids(subscriber, 51) == [*range(50), 1000]
+    finally:
+        broker.stop()
+
+
+async def test_full_backlog_keeps_another_tenants_share(tmp_path):
+    broker = MosquittoBroker(tmp_path, port=free_port(), persistence=True)
+    broker.start()
+    try:
+        async with persistent_subscriber(broker):
+            pass
+        broker.stop()
+        flooding = make_session("s-a", tenant="tenant-a")
+        other = make_session("s-b", tenant="tenant-b")
+        async with MqttEventPublisher(settings(broker.port, backlog=50), AGENT) as publisher:
+            for job_id in range(80):
+                publisher.publish_completion(flooding, finished_job(job_id))
+            for job_id in range(1000, 1010):
+                publisher.publish_completion(other, finished_job(job_id))
+            stats = publisher.stats()  # tenant-b's 10 took the places of tenant-a's newest
+            assert (stats["queued"], stats["unsent"], stats["dropped"]) == (60, 50, 40)
+            broker.start()
+            await until(lambda: publisher.stats()["published"] == 50, "backlog sent")
+        async with persistent_subscriber(broker) as subscriber:
+            received = await completion_ids(subscriber, 50)
+        assert sorted(received) == [*range(40), *range(1000, 1010)]
+        # the tenants took turns: tenant-b's ten among the first twenty
+        assert sorted(received[:20]) == [*range(10), *range(1000, 1010)]
     finally:
         broker.stop()
 
