@@ -66,7 +66,8 @@ Example file (every key optional):
     username = ""                 # "" = anonymous
     password_file = ""            # the password is read from this file, never configured inline
     keepalive = 30
-    backlog = 100000              # events kept while the broker is away
+    backlog = 100000              # events kept while the broker is away or slow; each
+                                  # tenant with events waiting gets an equal share
     telemetry_interval = 10.0     # seconds; 0 = no telemetry
     topic_prefix = "dpu/v1"
     flush_timeout = 5.0           # seconds shutdown waits to send the backlog
@@ -557,7 +558,7 @@ SETTINGS: Final = (
             ("username", _text, "broker user name"),
             ("password_file", _path, "file holding the broker password"),
             ("keepalive", _integer(5, 65535), "MQTT keepalive seconds"),
-            ("backlog", _integer(1, 10_000_000), "events kept while the broker is away"),
+            ("backlog", _integer(1, 10_000_000), "events kept for the broker, shared by tenants"),
             ("telemetry_interval", _seconds(0.1, 3600, off="off"), "seconds between telemetry"),
             ("topic_prefix", _topic_prefix, "topic prefix"),
             ("flush_timeout", _seconds(0, 3600), "seconds to send the backlog at shutdown"),

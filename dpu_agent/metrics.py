@@ -51,7 +51,8 @@ with the agent):
                                                (undecodable, duplicate or reserved id)
     mqtt_events_queued_total                   completions accepted into the backlog
     mqtt_events_published_total                ... acknowledged by the broker
-    mqtt_events_dropped_total                  ... refused: backlog full or stopped
+    mqtt_events_dropped_total                  ... lost: backlog full (the newest of
+                                               a tenant over its share) or stopped
     mqtt_events_rejected_total                 ... that could not be encoded
     mqtt_backlog                               gauge: queued, not yet acknowledged
     mqtt_connected                             gauge: 1 while connected
@@ -371,7 +372,7 @@ class _StateCollector(Collector):
         counters = (
             ("events_queued", "queued", "Completions accepted into the MQTT backlog"),
             ("events_published", "published", "Completions the broker acknowledged"),
-            ("events_dropped", "dropped", "Completions refused: backlog full or stopped"),
+            ("events_dropped", "dropped", "Completions lost: over a tenant's share, or stopped"),
             ("events_rejected", "rejected", "Completions that could not be encoded"),
             ("reconnects", "reconnects", "Broker connections after the first"),
             ("connect_failures", "connect_failures", "Failed broker connection attempts"),
