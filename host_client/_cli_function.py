@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Final
 from google.protobuf import json_format
 
 from dpu_wire.v1 import virtualization_pb2
+from host_client._display import printable
 
 if TYPE_CHECKING:
     import argparse
@@ -96,7 +97,7 @@ def _fill(f: virtualization_pb2.Function, args: argparse.Namespace) -> list[str]
 
 
 def line(f: virtualization_pb2.Function) -> str:
-    """One function on one line: name, type, state, port, device."""
+    """One function on one line: name, type, state, port, device (escaped: `printable`)."""
     kind = _TYPE_NAMES.get(f.type, "?")
     state = virtualization_pb2.FunctionState.Name(f.state).removeprefix("FUNCTION_STATE_").lower()
     parts = [f"{f.name:<28}", f"{kind:<10}", f"{state:<8}"]
@@ -110,7 +111,7 @@ def line(f: virtualization_pb2.Function) -> str:
         parts.append(f"vlan {f.vlan_id}")
     if f.rate_limit_bps:
         parts.append(f"rate {f.rate_limit_bps} bit/s")
-    return " ".join(parts)
+    return printable(" ".join(parts))
 
 
 async def _add(client: Client, args: argparse.Namespace) -> int:
@@ -152,7 +153,7 @@ async def _set(client: Client, args: argparse.Namespace) -> int:
 
 async def _del(client: Client, args: argparse.Namespace) -> int:
     await client.delete_function(_name(args.id))
-    print(f"deleted {_name(args.id)}")
+    print(printable(f"deleted {_name(args.id)}"))
     return 0
 
 

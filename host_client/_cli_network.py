@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 from google.protobuf import json_format
 
 from dpu_wire.v1 import network_pb2
+from host_client._display import printable
 
 _M = TypeVar("_M", network_pb2.FlowRule, network_pb2.FlowAction)
 
@@ -165,7 +166,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _rule_line(r: network_pb2.FlowRule) -> str:
     actions = ",".join(a.WhichOneof("action") or "?" for a in r.actions)
     match = json_format.MessageToDict(r.match, preserving_proto_field_name=True)
-    return f"{r.name:<28} {r.ingress_port:<16} prio {r.priority:<6} match {match} -> {actions}"
+    return printable(
+        f"{r.name:<28} {r.ingress_port:<16} prio {r.priority:<6} match {match} -> {actions}"
+    )
 
 
 async def run_port(client: Client, args: argparse.Namespace) -> int:
@@ -179,8 +182,10 @@ async def run_port(client: Client, args: argparse.Namespace) -> int:
         state = network_pb2.OperState.Name(p.oper_state).removeprefix("OPER_STATE_").lower()
         c = p.counters
         print(
-            f"{p.name:<20} {kind:<12} {state:<5} {p.mac_address} mtu {p.mtu:<5} "
-            f"rx {c.rx_packets} pkts {c.rx_bytes} B  tx {c.tx_packets} pkts {c.tx_bytes} B"
+            printable(
+                f"{p.name:<20} {kind:<12} {state:<5} {p.mac_address} mtu {p.mtu:<5} "
+                f"rx {c.rx_packets} pkts {c.rx_bytes} B  tx {c.tx_packets} pkts {c.tx_bytes} B"
+            )
         )
     if not ports:
         print("no ports")
@@ -217,7 +222,7 @@ async def _list(client: Client, args: argparse.Namespace) -> int:
 
 async def _del(client: Client, args: argparse.Namespace) -> int:
     await client.delete_flow_rule(_rule_name(args.id))
-    print(f"deleted {_rule_name(args.id)}")
+    print(printable(f"deleted {_rule_name(args.id)}"))
     return 0
 
 
@@ -229,7 +234,9 @@ async def _stats(client: Client, args: argparse.Namespace) -> int:
         print(json_format.MessageToJson(c, preserving_proto_field_name=True))
     else:
         where = "hardware" if r.in_hardware else "software"
-        print(f"{r.name}: {c.packets} packets, {c.bytes} bytes, last used {used} ({where})")
+        print(
+            printable(f"{r.name}: {c.packets} packets, {c.bytes} bytes, last used {used} ({where})")
+        )
     return 0
 
 
@@ -355,7 +362,8 @@ async def _apply(client: Client, args: argparse.Namespace) -> int:
     for rule in creates:
         print(f"+ {_rule_line(rule)}")
     for rule in updates:
-        print(f"~ {_rule_line(rule)}\n    was {_rule_line(current[rule.name])}")
+        print(f"~ {_rule_line(rule)}")
+        print(f"    was {_rule_line(current[rule.name])}")
     for name in gone:
         print(f"- {_rule_line(current[name])}")
     summary = f"{len(creates)} to create, {len(updates)} to update, {len(gone)} to delete"

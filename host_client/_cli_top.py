@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from host_client._display import printable
 from host_client._errors import InvalidArgumentError, UnavailableError
 
 if TYPE_CHECKING:
@@ -204,8 +205,9 @@ class View:
         for kind, row in self.kinds.items():
             if row["jobs_per_s"] == 0:
                 continue
+            label = printable(kind)  # a label of the agent's metrics
             lines.append(
-                f"{kind:<14}{row['jobs_per_s']:>10.1f}{row['bytes_per_s'] / (1 << 20):>10.1f}"
+                f"{label:<14}{row['jobs_per_s']:>10.1f}{row['bytes_per_s'] / (1 << 20):>10.1f}"
                 + "".join(f"{_ms(row[q]):>10}" for q in ("p50", "p90", "p99"))
             )
         if all(row["jobs_per_s"] == 0 for row in self.kinds.values()):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 from google.protobuf import json_format
 
 from dpu_wire.v1 import storage_pb2
+from host_client._display import printable
 from host_client._errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ def _line(v: storage_pb2.Volume) -> str:
         line += f"  qos {','.join(limits)}"
     if v.source_snapshot:
         line += f"  clone of {v.source_snapshot}"
-    return line
+    return printable(line)
 
 
 def _snapshot_line(s: storage_pb2.Snapshot) -> str:
@@ -149,7 +150,7 @@ def _snapshot_line(s: storage_pb2.Snapshot) -> str:
     )
     if s.clones:
         line += f"  clones {','.join(s.clones)}"
-    return line
+    return printable(line)
 
 
 class Progress:
@@ -317,7 +318,7 @@ async def _snapshot(client: Client, args: argparse.Namespace) -> int:
         return 0
     if action == "delete":
         await client.delete_snapshot(_snapshot_name(args.snapshot))
-        print(f"deleted {_snapshot_name(args.snapshot)}")
+        print(printable(f"deleted {_snapshot_name(args.snapshot)}"))
         return 0
     if action == "create":
         snap = await client.create_snapshot(
@@ -356,7 +357,7 @@ async def _resize(client: Client, args: argparse.Namespace) -> int:
 
 async def _delete(client: Client, args: argparse.Namespace) -> int:
     await client.delete_volume(_name(args.name))
-    print(f"deleted {_name(args.name)}")
+    print(printable(f"deleted {_name(args.name)}"))
     return 0
 
 

@@ -30,6 +30,7 @@ from host_client import (
     _cli_volume,
 )
 from host_client._client import TARGET_ENV, Client, default_target
+from host_client._display import printable
 from host_client._errors import DpuError, InvalidArgumentError
 from host_client._tls import CA_ENV, CERT_ENV, KEY_ENV, SERVER_NAME_ENV, TOKEN_ENV, TlsConfig
 
@@ -131,7 +132,7 @@ def _session_line(s: session_pb2.Session) -> str:
     c = s.counters
     state = session_pb2.SessionState.Name(s.state).removeprefix("SESSION_STATE_")
     kind = agent_pb2.Transport.Name(s.transport).removeprefix("TRANSPORT_").lower()
-    return (
+    return printable(
         f"{s.name:<24} {kind:<6} {state:<8} depth {s.queue_depth:<4} "
         f"jobs {c.jobs_completed}/{c.jobs_submitted} ok, {c.jobs_failed} failed  "
         f"read {c.bytes_read} B  written {c.bytes_written} B  {s.client_label}"
@@ -148,7 +149,7 @@ def _job_line(j: job_pb2.Job) -> str:
             line += f" crc32c {c.crc32c:#010x}"
         if c.status.message:
             line += f"  ({c.status.message})"
-    return line
+    return printable(line)
 
 
 async def _session(client: Client, args: argparse.Namespace) -> int:
@@ -166,7 +167,7 @@ async def _session(client: Client, args: argparse.Namespace) -> int:
         _print_json(s) if args.json else print(_session_line(s))
     else:
         await client.close_session(args.name)
-        print(f"closed {args.name}")
+        print(printable(f"closed {args.name}"))
     return 0
 
 
@@ -187,21 +188,25 @@ async def _job(client: Client, args: argparse.Namespace) -> int:
 
 
 def _print_info(info: agent_pb2.AgentInfo) -> None:
-    print(f"agent       {info.name}  (version {info.version}, API {info.api_version})")
-    print(f"host        {info.hostname}  {info.machine}  kernel {info.kernel}")
-    print(f"platform    {info.platform}")
-    print(f"started     {info.start_time.ToJsonString()}")
+    lines = [
+        f"agent       {info.name}  (version {info.version}, API {info.api_version})",
+        f"host        {info.hostname}  {info.machine}  kernel {info.kernel}",
+        f"platform    {info.platform}",
+        f"started     {info.start_time.ToJsonString()}",
+    ]
     if not info.rdma_devices:
-        print("rdma        no RDMA devices")
+        lines.append("rdma        no RDMA devices")
     for dev in info.rdma_devices:
         ports = ", ".join(
             f"port {p.port_num} {p.state} {p.link_layer} mtu {p.active_mtu}" for p in dev.ports
         )
-        print(f"rdma        {dev.name}  {ports}")
-    print("services")
+        lines.append(f"rdma        {dev.name}  {ports}")
+    lines.append("services")
     for cap in info.capabilities:
         state = "available" if cap.available else f"unavailable: {cap.reason}"
-        print(f"  {cap.service:<34} {state}")
+        lines.append(f"  {cap.service:<34} {state}")
+    for line in lines:
+        print(printable(line))
 
 
 async def _info(client: Client, args: argparse.Namespace) -> int:
@@ -220,7 +225,7 @@ async def _health(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"service": args.service, "status": status}))
     else:
-        print(status)
+        print(printable(status))
     return 0 if status == "SERVING" else EXIT_NOT_SERVING
 
 
@@ -274,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(_run(args))
     except DpuError as exc:
-        print(f"dpuctl: {exc}", file=sys.stderr)
+        print(printable(f"dpuctl: {exc}"), file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

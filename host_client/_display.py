@@ -1,0 +1,34 @@
+"""Agent-supplied text as dpuctl shows it to a person: nothing a terminal acts on.
+
+Names, labels and messages come from the agent, and an agent may be hostile or
+compromised. Printed raw, a name could carry terminal escapes (set the window
+title, clear the screen, paint a fake "all good"). Every human-readable output
+path of dpuctl passes such text through `printable`. JSON output needs nothing:
+`json.dumps` and `MessageToJson` escape control characters.
+"""
+
+from __future__ import annotations
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    if char in "\n\r\t":
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}[char]
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def printable(text: str) -> str:
+    r"""`text` with every non-printable character escaped as repr does (\x1b, \n, \u202e).
+
+    Non-printable is Python's `str.isprintable`: control characters (C0, DEL, C1, so
+    ESC and CSI), format characters such as bidi overrides, line and paragraph
+    separators. Letters of any script and the space stay as they are; so does a
+    backslash (the text may hold a repr already; a backslash moves no cursor).
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
