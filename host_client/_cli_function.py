@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Final
 from google.protobuf import json_format
 
 from dpu_wire.v1 import virtualization_pb2
-from host_client._display import printable
+from host_client._display import enum_name, printable
 
 if TYPE_CHECKING:
     import argparse
@@ -98,8 +98,8 @@ def _fill(f: virtualization_pb2.Function, args: argparse.Namespace) -> list[str]
 
 def line(f: virtualization_pb2.Function) -> str:
     """One function on one line: name, type, state, port, device (escaped: `printable`)."""
-    kind = _TYPE_NAMES.get(f.type, "?")
-    state = virtualization_pb2.FunctionState.Name(f.state).removeprefix("FUNCTION_STATE_").lower()
+    kind = _TYPE_NAMES.get(f.type, f"unknown({f.type})")
+    state = enum_name(virtualization_pb2.FunctionState.Name, f.state, "FUNCTION_STATE_").lower()
     parts = [f"{f.name:<28}", f"{kind:<10}", f"{state:<8}"]
     parts.append(f"port {f.representor_port or '-':<16}")
     parts.append(f"device {f.host_device or '-'}")

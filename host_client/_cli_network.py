@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 from google.protobuf import json_format
 
 from dpu_wire.v1 import network_pb2
-from host_client._display import printable
+from host_client._display import enum_name, printable
 
 _M = TypeVar("_M", network_pb2.FlowRule, network_pb2.FlowAction)
 
@@ -178,8 +178,8 @@ async def run_port(client: Client, args: argparse.Namespace) -> int:
         print(json.dumps([json_format.MessageToDict(p) for p in ports], indent=2))
         return 0
     for p in ports:
-        kind = network_pb2.PortKind.Name(p.kind).removeprefix("PORT_KIND_").lower()
-        state = network_pb2.OperState.Name(p.oper_state).removeprefix("OPER_STATE_").lower()
+        kind = enum_name(network_pb2.PortKind.Name, p.kind, "PORT_KIND_").lower()
+        state = enum_name(network_pb2.OperState.Name, p.oper_state, "OPER_STATE_").lower()
         c = p.counters
         print(
             printable(

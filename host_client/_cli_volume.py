@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Final
 from google.protobuf import json_format
 
 from dpu_wire.v1 import storage_pb2
-from host_client._display import printable
+from host_client._display import enum_name, printable
 from host_client._errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -124,8 +124,8 @@ def _name(text: str) -> str:
 def _services_text(services: storage_pb2.DataServices) -> str:
     parts = [
         "crc32c" if services.crc32c else "",
-        storage_pb2.Compression.Name(services.compression).removeprefix("COMPRESSION_"),
-        storage_pb2.Encryption.Name(services.encryption).removeprefix("ENCRYPTION_"),
+        enum_name(storage_pb2.Compression.Name, services.compression, "COMPRESSION_"),
+        enum_name(storage_pb2.Encryption.Name, services.encryption, "ENCRYPTION_"),
     ]
     return ",".join(s.lower() for s in parts if s and s != "NONE") or "none"
 

@@ -30,7 +30,7 @@ from host_client import (
     _cli_volume,
 )
 from host_client._client import TARGET_ENV, Client, default_target
-from host_client._display import printable
+from host_client._display import enum_name, printable
 from host_client._errors import DpuError, InvalidArgumentError
 from host_client._tls import CA_ENV, CERT_ENV, KEY_ENV, SERVER_NAME_ENV, TOKEN_ENV, TlsConfig
 
@@ -130,8 +130,8 @@ def _print_json(message: Message) -> None:
 
 def _session_line(s: session_pb2.Session) -> str:
     c = s.counters
-    state = session_pb2.SessionState.Name(s.state).removeprefix("SESSION_STATE_")
-    kind = agent_pb2.Transport.Name(s.transport).removeprefix("TRANSPORT_").lower()
+    state = enum_name(session_pb2.SessionState.Name, s.state, "SESSION_STATE_")
+    kind = enum_name(agent_pb2.Transport.Name, s.transport, "TRANSPORT_").lower()
     return printable(
         f"{s.name:<24} {kind:<6} {state:<8} depth {s.queue_depth:<4} "
         f"jobs {c.jobs_completed}/{c.jobs_submitted} ok, {c.jobs_failed} failed  "
@@ -140,7 +140,7 @@ def _session_line(s: session_pb2.Session) -> str:
 
 
 def _job_line(j: job_pb2.Job) -> str:
-    state = job_pb2.JobState.Name(j.state).removeprefix("JOB_STATE_")
+    state = enum_name(job_pb2.JobState.Name, j.state, "JOB_STATE_")
     line = f"{j.name:<40} {state:<10}"
     if j.HasField("completion"):
         c = j.completion

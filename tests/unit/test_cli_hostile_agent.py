@@ -207,3 +207,47 @@ def test_top_shows_a_hostile_metrics_label_escaped() -> None:
 )
 def test_printable(raw: str, shown: str) -> None:
     assert printable(raw) == shown
+
+
+class UnknownEnumClient(HostileClient):
+    """Enum numbers this client's protos do not name (a newer or a hostile agent)."""
+
+    async def get_function(self, _name: str) -> virtualization_pb2.Function:
+        return virtualization_pb2.Function(name="functions/f", type=42, state=99)  # type: ignore[arg-type]
+
+    async def list_ports(self) -> list[network_pb2.Port]:
+        return [network_pb2.Port(name="ports/p0", kind=77, oper_state=55)]  # type: ignore[arg-type]
+
+    async def list_sessions(self) -> list[session_pb2.Session]:
+        return [session_pb2.Session(name="sessions/s", state=66, transport=9)]  # type: ignore[arg-type]
+
+    async def list_jobs(self, _session: str) -> list[job_pb2.Job]:
+        return [job_pb2.Job(name="sessions/s/jobs/1", state=88)]  # type: ignore[arg-type]
+
+    async def list_volumes(self) -> list[storage_pb2.Volume]:
+        services = storage_pb2.DataServices(compression=5, encryption=6)  # type: ignore[arg-type]
+        return [storage_pb2.Volume(name="volumes/v", data_services=services)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (("function", "list"), ("unknown(42)", "unknown(99)")),
+        (("function", "show", "f"), ("unknown(42)", "unknown(99)")),
+        (("port", "list"), ("unknown(77)", "unknown(55)")),
+        (("session", "list"), ("unknown(9)", "UNKNOWN(66)")),
+        (("job", "list", "sessions/s"), ("UNKNOWN(88)",)),
+        (("volume", "list"), ("unknown(5)", "unknown(6)")),
+    ],
+)
+def test_unknown_enum_values_are_shown_as_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+    dpuctl: Callable[..., tuple[int, str, str]],
+    argv: tuple[str, ...],
+    shown: tuple[str, ...],
+) -> None:
+    monkeypatch.setattr(cli, "Client", UnknownEnumClient)
+    status, out, err = dpuctl(*argv)
+    assert (status, err) == (0, "")
+    for text in shown:
+        assert text in out
