@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+import hashlib
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -22,11 +23,16 @@ from dpu_wire.v1 import (
     virtualization_pb2_grpc,
 )
 from host_client._diagnose import is_connect_failure
-from host_client._errors import DpuError, UnavailableError, from_rpc_error
+from host_client._errors import DpuError, InternalError, UnavailableError, from_rpc_error
 from host_client._request_ids import for_call
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable
+
+MAX_PAGES: Final = 10_000
+"""The most pages `Rpc.all_pages` asks for: 1,000,000 items at the default 100 a page."""
+MAX_ITEMS: Final = 1_000_000
+"""The most items `Rpc.all_pages` keeps (a hostile agent's pages of 500)."""
 
 _R = TypeVar("_R")
 _T = TypeVar("_T")
@@ -120,12 +126,36 @@ class Rpc:
         request: Callable[[str], object],
         items: Callable[[_P], Iterable[_T]],
     ) -> list[_T]:
-        """Every item of a paged List RPC: one call per page until the last."""
+        """Every item of a paged List RPC: one call per page until the last.
+
+        The agent decides when the listing ends (an empty next_page_token), so a
+        faulty or hostile one could page forever and grow the list without end. A
+        page token seen before (the listing would go round) raises InternalError at
+        once; so do more than MAX_PAGES pages or MAX_ITEMS items. An agent answers at
+        most 500 items a page (100 when, as here, no page size is asked), so the
+        bounds let through any listing of up to a million items at the default page
+        size, far above what one agent holds (a few thousand sessions, volumes or
+        rules; 65,535 rule priorities a port).
+        """
         found: list[_T] = []
+        seen: set[bytes] = set()  # digests: a hostile token may be megabytes long
         token = ""
-        while True:
+        for _ in range(MAX_PAGES):
             page = await self.call(method, request(token))
             found.extend(items(page))
+            if len(found) > MAX_ITEMS:
+                raise InternalError(
+                    "INTERNAL", f"the agent's listing goes on past {MAX_ITEMS:,} items"
+                )
             token = page.next_page_token
             if not token:
                 return found
+            digest = hashlib.sha256(token.encode()).digest()
+            if digest in seen:
+                raise InternalError(
+                    "INTERNAL",
+                    f"the agent's listing does not end: it answered page token "
+                    f"{token[:40]!r} twice (after {len(found):,} items)",
+                )
+            seen.add(digest)
+        raise InternalError("INTERNAL", f"the agent's listing goes on past {MAX_PAGES:,} pages")
