@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -12,6 +13,7 @@ from google.protobuf import json_format
 
 from dpu_wire.v1 import network_pb2
 from host_client._display import enum_name, printable
+from host_client._tls import TOKEN_ENV
 
 _M = TypeVar("_M", network_pb2.FlowRule, network_pb2.FlowAction)
 
@@ -46,6 +48,8 @@ OFFLOAD: Final = {
     "hardware": network_pb2.OFFLOAD_POLICY_HARDWARE_ONLY,
     "software": network_pb2.OFFLOAD_POLICY_SOFTWARE_ONLY,
 }
+LOCAL_ADMIN_TENANT: Final = "default"
+"""The tenant of a plaintext loopback agent's callers without a token (dpu_agent.auth)."""
 
 
 def _port(name: str) -> str:
@@ -121,7 +125,13 @@ takes, or none does. FILE (YAML or JSON):
   delete: [old-rule]                # optional: rules to remove
 
 match takes the FlowMatch fields of the API (docs/api.md). A rule whose ingress
-port changes is deleted and created. At most 1024 rules per list. Reading YAML
+port changes is deleted and created.
+
+--prune deletes the rules of one tenant only: yours (the CN of your client
+certificate; "default" on a plaintext loopback agent without a token), or the
+one --tenant names. An admin sees every tenant's rules but prunes only its own
+unless --tenant names another. With a bearer token, give --tenant (dpuctl cannot
+tell a token's tenant). At most 1024 rules per list. Reading YAML
 needs PyYAML (not a dependency of the SDK); JSON needs nothing.
 """
 
@@ -154,7 +164,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="print the diff, let the agent check it, change nothing",
     )
     apply.add_argument(
-        "--prune", action="store_true", help="also delete your rules that FILE does not list"
+        "--prune",
+        action="store_true",
+        help="also delete your rules that FILE does not list (your tenant's only, admins too)",
+    )
+    apply.add_argument(
+        "--tenant",
+        help="with --prune: whose rules to delete instead of yours (an admin's choice)",
     )
     listing = act.add_parser("list", help="rules, optionally on one port")
     listing.add_argument("--port", default="")
@@ -327,9 +343,13 @@ def plan(
     rules: list[network_pb2.FlowRule],
     deletes: list[str],
     *,
-    prune: bool,
+    prune: str | None,
 ) -> tuple[list[network_pb2.FlowRule], list[network_pb2.FlowRule], list[str]]:
-    """(creates, updates, deletes) that make `current` hold `rules`."""
+    """(creates, updates, deletes) that make `current` hold `rules`.
+
+    `prune`: a tenant whose rules in `current` that `rules` does not name are
+    deleted too (None: none are). An admin's `current` holds every tenant's rules.
+    """
     have = {r.name: _desired(r) for r in current}
     wanted = {r.name for r in rules}
     creates, updates, gone = [], [], []
@@ -347,9 +367,29 @@ def plan(
             creates.append(rule)
         elif old != _desired(rule):
             updates.append(rule)
-    if prune:
-        gone += sorted(name for name in have if name not in wanted and name not in gone)
+    if prune is not None:
+        gone += sorted(
+            r.name
+            for r in current
+            if r.tenant == prune and r.name not in wanted and r.name not in gone
+        )
     return creates, updates, gone
+
+
+def _prune_tenant(client: Client, args: argparse.Namespace) -> str:
+    """The tenant whose rules `flow apply --prune` deletes: --tenant, or the caller's."""
+    if args.tenant:
+        return str(args.tenant)
+    if client.tls is not None:
+        tenant = client.tls.tenant()
+        if tenant is None:
+            raise SystemExit("--prune: no client certificate to tell your tenant; give --tenant")
+        return tenant
+    if args.token or os.environ.get(TOKEN_ENV):
+        raise SystemExit(
+            "--prune with a bearer token needs --tenant (dpuctl cannot tell its tenant)"
+        )
+    return LOCAL_ADMIN_TENANT
 
 
 async def _apply(client: Client, args: argparse.Namespace) -> int:
@@ -357,8 +397,9 @@ async def _apply(client: Client, args: argparse.Namespace) -> int:
     names = [r.name for r in rules]
     if len(set(names)) < len(names):
         raise SystemExit("a rule name appears twice in the file")
+    prune = _prune_tenant(client, args) if args.prune else None
     current = {r.name: r for r in await client.list_flow_rules()}
-    creates, updates, gone = plan(list(current.values()), rules, deletes, prune=args.prune)
+    creates, updates, gone = plan(list(current.values()), rules, deletes, prune=prune)
     for rule in creates:
         print(f"+ {_rule_line(rule)}")
     for rule in updates:

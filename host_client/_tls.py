@@ -85,6 +85,31 @@ class TlsConfig:
             certificate_chain=_read(self.cert, "certificate") if self.cert is not None else None,
         )
 
+    def tenant(self) -> str | None:
+        """The tenant the agent takes this client for: its certificate's subject CN.
+
+        None without a certificate. The agent reads the tenant the same way
+        (dpu_agent/identity.py), and refuses a certificate without exactly one CN.
+        """
+        if self.cert is None:
+            return None
+        from cryptography import x509  # noqa: PLC0415 - only `flow apply --prune` asks
+        from cryptography.x509.oid import NameOID  # noqa: PLC0415
+
+        try:
+            cert = x509.load_pem_x509_certificate(_read(self.cert, "certificate"))
+        except ValueError:
+            raise InvalidArgumentError(
+                "INVALID_ARGUMENT", f"the TLS certificate {self.cert} is not a PEM certificate"
+            ) from None
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if len(names) != 1:
+            raise InvalidArgumentError(
+                "INVALID_ARGUMENT", f"the TLS certificate {self.cert} has no single subject CN"
+            )
+        value = names[0].value
+        return value if isinstance(value, str) else value.decode()
+
     def options(self) -> list[tuple[str, str]]:
         """Channel options (the expected server name, when given)."""
         if self.server_name:
