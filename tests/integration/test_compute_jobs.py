@@ -162,7 +162,12 @@ async def test_jobs_of_many_chunks_overlap_their_steps_and_round_trip(small_chun
         size = len(DATA)  # a little under 1 MiB: 16 chunks, the last one short
         src = await session.alloc(size, readable=True)
         src.view[:] = DATA
-        kinds = [("compress", "zstd"), ("compress", "lz4"), ("encrypt", key), ("encrypt", key)]
+        kinds: list[tuple[str, int | str]] = [
+            ("compress", "zstd"),
+            ("compress", "lz4"),
+            ("encrypt", key),
+            ("encrypt", key),
+        ]
         mids = [await session.alloc(2 * MiB, readable=True, writable=True) for _ in kinds]
         outs = [await session.alloc(2 * MiB, writable=True) for _ in kinds]
         packed = await asyncio.gather(

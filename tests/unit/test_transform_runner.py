@@ -69,7 +69,7 @@ def run(
     bufs = [_buffer(STEP) for _ in range(buffers)]
     dest = bytearray(dst_len)
     gen = runners.transform(job, bufs, None)  # type: ignore[arg-type]
-    value = None
+    value: object = None
     largest = 0
     last_seen = False
     read = written = 0
