@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
-from dpu_agent.errors import InvalidArgument, NotFound
+from dpu_agent.errors import InvalidArgument, NotFound, PermissionDenied
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_agent.virtualization.model import (
     DEFAULT_MTU,
@@ -50,6 +51,18 @@ _MASK_FIELDS: Final = {
     "spoof_check": "spoof_check",
 }
 assert set(_MASK_FIELDS.values()) == MUTABLE_FIELDS  # noqa: S101 - a table kept in step
+ISOLATION: Final = frozenset({"vlan_id", "rate_limit_bps", "trust", "spoof_check"})
+"""Spec fields that separate one tenant's traffic from another's: an admin's to set."""
+
+
+def _check_isolation(fields: set[str]) -> None:
+    """PermissionDenied when a caller without the admin role sets one of `ISOLATION`."""
+    chosen = sorted(fields & ISOLATION)
+    if chosen and not auth.current_principal().admin:
+        raise PermissionDenied(
+            f"function.{chosen[0]}: a function's isolation (vlan_id, rate_limit_bps, trust, "
+            "spoof_check) is set by an admin"
+        )
 
 
 def _volume_id(text: str) -> str:
@@ -153,6 +166,12 @@ class VirtualizationService(virtualization_pb2_grpc.VirtualizationServiceService
     ) -> virtualization_pb2.Function:
         """Make a function (a retry with the same spec returns the one made)."""
         spec = spec_from(request.function_id, request.function, auth.tenant())
+        if not auth.current_principal().admin:
+            f = request.function
+            chosen = {"vlan_id"} if f.HasField("vlan_id") else set()
+            chosen |= {name for name in ("rate_limit_bps", "trust") if getattr(f, name)}
+            _check_isolation(chosen)
+            spec = dataclasses.replace(spec, spoof_check=True)  # sends only from its own MAC
         if spec.type.is_block and self._volumes is not None:
             info = await asyncio.to_thread(self._volumes.get, spec.volume_id)
             auth.check_owner(info.tenant, f"volume {spec.volume_id!r}")  # the store's text
@@ -204,6 +223,7 @@ class VirtualizationService(virtualization_pb2_grpc.VirtualizationServiceService
         changes = changes_from(
             request.function, list(request.update_mask.paths), block=record.spec.type.is_block
         )
+        _check_isolation(set(changes))
         return function_to(await asyncio.to_thread(self._manager.update, function_id, changes))
 
     async def DeleteFunction(

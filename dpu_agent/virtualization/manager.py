@@ -213,6 +213,7 @@ class FunctionManager:
                 raise AlreadyExists(f"functions/{spec.function_id} already exists")
             owned = sum(1 for r in self._records.values() if r.spec.tenant == spec.tenant)
             self._quotas.check_functions(spec.tenant, owned + 1)
+            self._check_mac_free(spec.mac, spec.function_id)
             if len(self._records) >= self._max:
                 raise FailedPrecondition(f"this agent manages at most {self._max} functions")
             claimed = self._claim_volume(spec)
@@ -278,11 +279,28 @@ class FunctionManager:
             new = dataclasses.replace(record.spec, **changes)  # type: ignore[arg-type]
             if new == record.spec:
                 return record
+            if new.mac != record.spec.mac:
+                self._check_mac_free(new.mac, function_id)
             made = self.backend.update(record.spec, new, record.provisioned)
             updated = FunctionRecord(new, made, record.state, record.created_ns, time.time_ns())
             self._records[function_id] = updated
             self._save()
             return updated
+
+    def _check_mac_free(self, mac: str, function_id: str) -> None:
+        """FailedPrecondition if another function has `mac` (asked for, or its device's)."""
+        if not mac:
+            return
+        for other in self._records.values():
+            if other.spec.function_id == function_id:
+                continue
+            theirs = {other.spec.mac}
+            if other.provisioned is not None:
+                theirs.add(str(other.provisioned.facts.get("mac", "")))
+            if mac in theirs:
+                raise FailedPrecondition(
+                    f"function.mac_address {mac} is another function's (each must be unique)"
+                )
 
     # ------------------------------------------------------------------ delete
     def delete(self, function_id: str) -> None:

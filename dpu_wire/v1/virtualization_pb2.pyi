@@ -94,8 +94,16 @@ class Function(_message.Message):
     """Resource name "functions/{function}"."""
     type: Global___FunctionType.ValueType
     mac_address: _builtins.str
+    """Unique among the agent's functions: another function's MAC address is
+    FAILED_PRECONDITION. Empty: the device's own.
+    """
     mtu: _builtins.int
     vlan_id: _builtins.int
+    """The function's isolation: vlan_id, rate_limit_bps, trust and spoof_check are
+    the operator's to set (an admin's); a tenant that sets or changes one is
+    answered PERMISSION_DENIED. A tenant's function has no VLAN, no rate limit, no
+    trust, and spoof checking on (so it sends only from its own MAC address).
+    """
     rate_limit_bps: _builtins.int
     """0 = unlimited"""
     trust: _builtins.bool

@@ -149,3 +149,37 @@ async def test_only_a_functions_tenant_may_name_its_representor_in_a_flow_rule(s
         await a.delete_function("functions/a-vf")
         await b.delete_flow_rule("flowRules/b-own")
         await b.delete_function("functions/b-vf")
+
+
+async def test_a_functions_isolation_is_the_admins_to_set(setup):
+    """A tenant could give its VF trust, no spoof check, another tenant's VLAN and MAC
+    and no rate limit (an outside audit). Those are the operator's now, and MAC
+    addresses are unique among functions."""
+    async with (
+        client(setup, "tenant-a") as a,
+        client(setup, "tenant-b") as b,
+        client(setup, "ops", admin=True) as ops,
+    ):
+        for chosen in ({"vlan_id": 100}, {"rate_limit_bps": 10**7}, {"trust": True}):
+            with pytest.raises(host_client.PermissionDeniedError, match="set by an admin"):
+                await a.create_function("iso-a", virtualization_pb2.Function(type=VF, **chosen))
+        mine = await a.create_function(
+            "iso-a", virtualization_pb2.Function(type=VF, mac_address="02:00:00:00:0a:01")
+        )
+        assert mine.spoof_check  # a tenant's function sends only from its own MAC
+        assert not mine.trust
+        assert not mine.HasField("vlan_id")
+        for field, value in (("vlan_id", 100), ("spoof_check", False), ("trust", True)):
+            change = virtualization_pb2.Function(name="functions/iso-a", **{field: value})
+            with pytest.raises(host_client.PermissionDeniedError, match="set by an admin"):
+                await a.update_function(change, [field])
+        with pytest.raises(host_client.FailedPreconditionError, match="another function's"):
+            await b.create_function(
+                "iso-b", virtualization_pb2.Function(type=VF, mac_address="02:00:00:00:0a:01")
+            )
+        # the operator sets them, on a tenant's function too
+        changed = await ops.update_function(
+            virtualization_pb2.Function(name="functions/iso-a", vlan_id=100), ["vlan_id"]
+        )
+        assert changed.vlan_id == 100
+        await a.delete_function("functions/iso-a")
