@@ -160,17 +160,26 @@ async def test_a_functions_isolation_is_the_admins_to_set(setup):
         client(setup, "tenant-b") as b,
         client(setup, "ops", admin=True) as ops,
     ):
-        for chosen in ({"vlan_id": 100}, {"rate_limit_bps": 10**7}, {"trust": True}):
+        chosen = [
+            virtualization_pb2.Function(type=VF, vlan_id=100),
+            virtualization_pb2.Function(type=VF, rate_limit_bps=10**7),
+            virtualization_pb2.Function(type=VF, trust=True),
+        ]
+        for function in chosen:
             with pytest.raises(host_client.PermissionDeniedError, match="set by an admin"):
-                await a.create_function("iso-a", virtualization_pb2.Function(type=VF, **chosen))
+                await a.create_function("iso-a", function)
         mine = await a.create_function(
             "iso-a", virtualization_pb2.Function(type=VF, mac_address="02:00:00:00:0a:01")
         )
         assert mine.spoof_check  # a tenant's function sends only from its own MAC
         assert not mine.trust
         assert not mine.HasField("vlan_id")
-        for field, value in (("vlan_id", 100), ("spoof_check", False), ("trust", True)):
-            change = virtualization_pb2.Function(name="functions/iso-a", **{field: value})
+        name = "functions/iso-a"
+        for change, field in (
+            (virtualization_pb2.Function(name=name, vlan_id=100), "vlan_id"),
+            (virtualization_pb2.Function(name=name, spoof_check=False), "spoof_check"),
+            (virtualization_pb2.Function(name=name, trust=True), "trust"),
+        ):
             with pytest.raises(host_client.PermissionDeniedError, match="set by an admin"):
                 await a.update_function(change, [field])
         with pytest.raises(host_client.FailedPreconditionError, match="another function's"):
