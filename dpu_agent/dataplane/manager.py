@@ -23,7 +23,6 @@ being connected count, so concurrent opens cannot slip past a limit.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -62,7 +61,6 @@ log = logging.getLogger(__name__)
 
 TRANSPORT_VERBS: Final = int(agent_pb2.TRANSPORT_VERBS)
 TRANSPORT_TCP: Final = int(agent_pb2.TRANSPORT_TCP)
-MAX_REMEMBERED_OPENS: Final = 4096  # request ids kept for idempotent OpenSession
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +102,9 @@ class SessionManager:
         self._quotas = quotas or Quotas()
         self._sessions: dict[str, Session] = {}
         self._connections: dict[str, str] = {}  # session id -> the gRPC peer that opened it
-        # (tenant, request_id) -> session id, for idempotent open; oldest forgotten first
-        self._by_request: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        # (tenant, request_id) -> session id, for idempotent open (DP-1.1-4): kept as long
+        # as the session is (so bounded by the sessions), whatever other tenants open
+        self._by_request: dict[tuple[str, str], str] = {}
         # (tenant, queue depth, connection) of the sessions being opened
         self._connecting: list[tuple[str, int, str]] = []
         self._reaper: asyncio.Task[None] | None = None
@@ -195,8 +194,6 @@ class SessionManager:
             self._events.session_opened(kind)
         if request_id:
             self._by_request[remembered] = session.session_id
-            while len(self._by_request) > MAX_REMEMBERED_OPENS:
-                self._by_request.popitem(last=False)
         log.info(
             "session opened",
             extra={
@@ -326,6 +323,8 @@ class SessionManager:
     def _forget(self, session: Session) -> bool:
         """Drop a closed session; False if it was gone already."""
         self._connections.pop(session.session_id, None)
+        for key in [k for k, v in self._by_request.items() if v == session.session_id]:
+            del self._by_request[key]
         return self._sessions.pop(session.session_id, None) is not None
 
     def sessions(self) -> list[Session]:

@@ -43,7 +43,7 @@ async def opened():
         manager.start()
         managers.append(manager)
 
-        async def open_one(tenant="t", connection="c1"):
+        async def open_one(tenant="t", connection="c1", request_id=""):
             host = TcpHostLink()
             host.listen()
             hosts.append(host)
@@ -53,6 +53,7 @@ async def opened():
                 queue_depth=1,
                 label="",
                 host=host.address,
+                request_id=request_id,
                 peer=connection,
             )
             await host.connect(session.address)
@@ -105,3 +106,20 @@ async def test_a_session_never_watched_goes_first_one_whose_watcher_left_later(o
             await asyncio.sleep(0.02)
     assert time.monotonic() - unwatched >= 1.5
     assert manager.sessions() == [stays]
+
+
+async def test_a_replayed_open_finds_its_session_as_long_as_the_session_lives(opened):
+    """DP-1.1-4: the (tenant, request_id) record lives as long as its session, so other
+    tenants' opens cannot push it out (a shared list of 4,096 could be flushed), and it
+    goes with the session (the record stays bounded by the sessions)."""
+    manager, open_one = opened(max_sessions=8, max_sessions_per_connection=8)
+    first = await open_one(tenant="a", request_id="open-1")
+    for i in range(5):  # another tenant opens and closes sessions meanwhile
+        other = await open_one(tenant="b", connection=f"c{i}", request_id=f"b-{i}")
+        await manager.close(other.name)
+    again = await manager.open(
+        tenant="a", transport=0, queue_depth=1, label="", host=None, request_id="open-1"
+    )
+    assert again is first
+    await manager.close(first.name)
+    assert manager._by_request == {}
