@@ -182,28 +182,25 @@ class FunctionManager:
     def port_owners(self) -> Iterator[dict[str, str]]:
         """Representor port -> tenant of its function; no function changes meanwhile."""
         with self._lock:
-            yield {
-                r.provisioned.representor_port: r.spec.tenant
-                for r in self._records.values()
-                if r.provisioned is not None and r.provisioned.representor_port
-            }
+            yield {port: r.spec.tenant for port, r in self._by_representor().items()}
 
     def port_functions(self) -> dict[str, str]:
         """Representor port -> the id of the function it represents."""
         with self._lock:
-            return {
-                r.provisioned.representor_port: r.spec.function_id
-                for r in self._records.values()
-                if r.provisioned is not None and r.provisioned.representor_port
-            }
+            return {port: r.spec.function_id for port, r in self._by_representor().items()}
 
     def by_port(self, port: str) -> FunctionRecord | None:
         """The function whose representor is `port`, if any."""
         with self._lock:
-            for record in self._records.values():
-                if record.provisioned and record.provisioned.representor_port == port:
-                    return record
-        return None
+            return self._by_representor().get(port)
+
+    def _by_representor(self) -> dict[str, FunctionRecord]:
+        """Representor port -> its function (the lock held)."""
+        return {
+            r.provisioned.representor_port: r
+            for r in self._records.values()
+            if r.provisioned is not None and r.provisioned.representor_port
+        }
 
     # ------------------------------------------------------------------ create
     def create(self, spec: FunctionSpec) -> FunctionRecord:
