@@ -60,7 +60,7 @@ class Staging:
         small = min(2 * queue_depth, MAX_SMALL)
         self._small = _Pool(link, small, min(SMALL, chunk_size))
         self._large = _Pool(link, max(1, large), chunk_size)
-        self.pinned = small * self._small.size + max(1, large) * chunk_size
+        self.pinned = sum(pool.count * pool.size for pool in (self._small, self._large))
 
     def pool_for(self, largest_transfer: int) -> int:
         """The buffer size a job moving at most `largest_transfer` bytes at once gets."""
@@ -68,14 +68,17 @@ class Staging:
             return self._small.size
         return self._large.size
 
+    def _pool(self, size: int) -> _Pool:
+        """The pool of buffers of `size` (a `pool_for` answer)."""
+        return self._small if size == self._small.size else self._large
+
     def capacity(self, size: int) -> int:
         """How many buffers of `size` (a `pool_for` answer) the session has in all."""
-        pool = self._small if size == self._small.size else self._large
-        return pool.count
+        return self._pool(size).count
 
     def take(self, size: int, count: int, ready: Callable[[list[Buffer]], None]) -> None:
         """Hand `count` buffers of `size` to `ready` now, or as soon as they are free."""
-        pool = self._small if size == self._small.size else self._large
+        pool = self._pool(size)
         if not pool.waiting and len(pool.free) >= count:
             ready([pool.free.pop() for _ in range(count)])
         else:
@@ -84,8 +87,7 @@ class Staging:
     def give_back(self, buffers: list[Buffer]) -> None:
         """Return buffers no operation uses any more; serve who waits, in order."""
         for buffer in buffers:
-            pool = self._small if buffer.size == self._small.size else self._large
-            pool.free.append(buffer)
+            self._pool(buffer.size).free.append(buffer)
         for pool in (self._small, self._large):
             while pool.waiting and len(pool.free) >= pool.waiting[0][0]:
                 count, ready = pool.waiting.popleft()
