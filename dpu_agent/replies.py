@@ -68,16 +68,13 @@ class _Book:
             del self.entries[key]
             self.bytes -= entry.size
 
-    def trim(self) -> int:
-        """Forget the oldest replies past the bounds; the bytes forgotten."""
-        freed = 0
+    def trim(self) -> None:
+        """Forget the oldest replies past the bounds."""
         while self.entries and (
             len(self.entries) > MAX_PER_TENANT or self.bytes > MAX_BYTES_PER_TENANT
         ):
             _, entry = self.entries.popitem(last=False)
             self.bytes -= entry.size
-            freed += entry.size
-        return freed
 
 
 def request_id_of(method: str, request: object) -> str:
@@ -96,10 +93,14 @@ class Replies:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._books: collections.OrderedDict[str, _Book] = collections.OrderedDict()
-        self.bytes = 0  # of every reply kept
 
     def __len__(self) -> int:
         return sum(len(book.entries) for book in self._books.values())
+
+    @property
+    def bytes(self) -> int:
+        """Of every reply kept."""
+        return sum(book.bytes for book in self._books.values())
 
     def _book(self, tenant: str) -> _Book:
         book = self._books.get(tenant)
@@ -109,19 +110,23 @@ class Replies:
             self._books.move_to_end(tenant)
         return book
 
+    def _drop_if_empty(self, tenant: str, book: _Book) -> None:
+        if not book.entries and self._books.get(tenant) is book:
+            del self._books[tenant]
+
     def _keep(self, tenant: str, book: _Book, entry: _Entry, reply: object) -> None:
         """Count the reply's bytes; forget the oldest past the bounds."""
         entry.size = reply.ByteSize() if isinstance(reply, Message) else 0
         book.bytes += entry.size
-        self.bytes += entry.size - book.trim()
-        while self.bytes > MAX_BYTES and self._books:
+        book.trim()
+        total = self.bytes
+        while total > MAX_BYTES and self._books:
             oldest, dropped = next(iter(self._books.items()))
             if dropped is book and len(self._books) == 1:
                 break  # within its own bound already
             del self._books[oldest]
-            self.bytes -= dropped.bytes
-        if not book.entries and self._books.get(tenant) is book:
-            del self._books[tenant]
+            total -= dropped.bytes
+        self._drop_if_empty(tenant, book)
 
     async def call(
         self, tenant: str, method: str, request_id: str, run: Callable[[], Awaitable[Any]]
@@ -135,7 +140,6 @@ class Replies:
                 break
             if entry.expires <= self._clock() and entry.future.done():
                 book.drop(key, entry)
-                self.bytes -= entry.size
                 break
             try:
                 return await asyncio.shield(entry.future)
@@ -147,8 +151,7 @@ class Replies:
             reply = await run()
         except BaseException as exc:
             book.drop(key, entry)
-            if not book.entries and self._books.get(tenant) is book:
-                del self._books[tenant]
+            self._drop_if_empty(tenant, book)
             future.set_exception(exc if isinstance(exc, Exception) else _Again())
             future.exception()  # retrieved: no "never retrieved" warning without waiters
             raise
