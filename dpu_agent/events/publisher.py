@@ -184,12 +184,16 @@ class _Backlog:
         queue = self._queues.get(tenant)
         return 0 if queue is None else len(queue)
 
+    def _queue(self, tenant: str) -> collections.deque[_Message]:
+        """The tenant's queue, made (its turn last) if it had none."""
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = collections.deque()
+        return queue
+
     def append(self, message: _Message) -> None:
         """Queue a message last of its tenant's (a new tenant's turn comes last)."""
-        queue = self._queues.get(message.tenant)
-        if queue is None:
-            queue = self._queues[message.tenant] = collections.deque()
-        queue.append(message)
+        self._queue(message.tenant).append(message)
         self._size += 1
 
     def pop(self) -> _Message:
@@ -209,9 +213,7 @@ class _Backlog:
         Their tenants' turns come first.
         """
         for message in reversed(messages):
-            queue = self._queues.get(message.tenant)
-            if queue is None:
-                queue = self._queues[message.tenant] = collections.deque()
+            queue = self._queue(message.tenant)
             self._queues.move_to_end(message.tenant, last=False)
             queue.appendleft(message)
             self._size += 1
