@@ -19,17 +19,6 @@ if TYPE_CHECKING:
 _V = TypeVar("_V", bound=int)
 
 
-def _escape(char: str) -> str:
-    code = ord(char)
-    if char in "\n\r\t":
-        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}[char]
-    if code <= 0xFF:
-        return f"\\x{code:02x}"
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
 def printable(text: str) -> str:
     r"""`text` with every non-printable character escaped as repr does (\x1b, \n, \u202e).
 
@@ -40,7 +29,7 @@ def printable(text: str) -> str:
     """
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else _escape(c) for c in text)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def enum_name(name_of: Callable[[_V], str], value: _V, prefix: str = "") -> str:
