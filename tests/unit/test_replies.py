@@ -19,11 +19,17 @@ class Calls:
 
     def __init__(self) -> None:
         self.acted = 0
+        self.gate = asyncio.Event()
 
     async def act(self) -> str:
         self.acted += 1
         await asyncio.sleep(0)
         return f"reply {self.acted}"
+
+    async def slow(self) -> str:
+        """`act` once `gate` is set."""
+        await self.gate.wait()
+        return await self.act()
 
 
 @pytest.mark.asyncio
@@ -54,16 +60,10 @@ async def test_a_call_that_failed_keeps_nothing():
 @pytest.mark.asyncio
 async def test_a_retry_during_the_first_call_waits_for_its_answer():
     book, calls = Replies(), Calls()
-    gate = asyncio.Event()
-
-    async def slow() -> str:
-        await gate.wait()
-        return await calls.act()
-
-    first = asyncio.create_task(book.call("a", DELETE, "rid", slow))
-    retry = asyncio.create_task(book.call("a", DELETE, "rid", slow))
+    first = asyncio.create_task(book.call("a", DELETE, "rid", calls.slow))
+    retry = asyncio.create_task(book.call("a", DELETE, "rid", calls.slow))
     await asyncio.sleep(0.01)
-    gate.set()
+    calls.gate.set()
     assert await first == await retry == "reply 1"
     assert calls.acted == 1
 
@@ -71,19 +71,13 @@ async def test_a_retry_during_the_first_call_waits_for_its_answer():
 @pytest.mark.asyncio
 async def test_a_retry_waiting_on_a_cancelled_first_call_acts_itself():
     book, calls = Replies(), Calls()
-    gate = asyncio.Event()
-
-    async def slow() -> str:
-        await gate.wait()
-        return await calls.act()
-
-    first = asyncio.create_task(book.call("a", DELETE, "rid", slow))
+    first = asyncio.create_task(book.call("a", DELETE, "rid", calls.slow))
     await asyncio.sleep(0.01)
-    retry = asyncio.create_task(book.call("a", DELETE, "rid", slow))
+    retry = asyncio.create_task(book.call("a", DELETE, "rid", calls.slow))
     await asyncio.sleep(0.01)
     first.cancel()  # the first client went away
     await asyncio.sleep(0.01)
-    gate.set()
+    calls.gate.set()
     assert await retry == "reply 1"
     assert first.cancelled()
 
