@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WATCHER_BACKLOG: Final = 65536  # completions a stream may fall behind before it is ended
+# Completions a stream may fall behind before it is ended. Eight times what a session
+# retains for include_retained (its last 1,024 finished jobs): a stream further behind
+# cannot be caught up anyway. A record held here costs about 550 bytes.
+WATCHER_BACKLOG: Final = 8192
 
 
 class Published(Protocol):
@@ -68,11 +71,21 @@ class Watcher:
         return self.origin is None or job.origin == self.origin
 
     def put(self, job: JobRecord | None) -> None:
-        """Queue a finished job or the end (on the control loop)."""
-        if job is not None and self.queue.qsize() >= WATCHER_BACKLOG:
-            self.overflowed = True
+        """Queue a finished job or the end (on the control loop).
+
+        A stream `WATCHER_BACKLOG` behind has overflowed: what it holds is dropped at
+        once (a reader that stopped reading must not keep it) and it ends.
+        """
+        if self.overflowed:
             return
-        self.queue.put_nowait(job)
+        queue = self.queue
+        if job is not None and queue.qsize() >= WATCHER_BACKLOG:
+            self.overflowed = True
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(None)
+            return
+        queue.put_nowait(job)
 
     def put_many(self, jobs: Sequence[JobRecord]) -> None:
         """Queue several (on the control loop)."""

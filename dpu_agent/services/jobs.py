@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpu_agent import paging
 from dpu_agent.dataplane.admission import JobRequest
+from dpu_agent.dataplane.bus import WATCHER_BACKLOG
 from dpu_agent.dataplane.jobs import Origin
 from dpu_agent.errors import InvalidArgument, ResourceExhausted, Unavailable
 from dpu_agent.services import convert
@@ -162,10 +163,11 @@ class JobService(job_pb2_grpc.JobServiceServicer):
                 if record is None:
                     break
                 yield convert.completion(session, record)
-                if watcher.overflowed:
-                    raise ResourceExhausted(
-                        "this stream fell too far behind; watch again with include_retained"
-                    )
+            if watcher.overflowed:
+                raise ResourceExhausted(
+                    f"this stream fell {WATCHER_BACKLOG} completions behind; "
+                    "watch again with include_retained"
+                )
             if session.error is not None:
                 raise Unavailable(session.error[1])
         finally:

@@ -95,7 +95,10 @@ class JobServiceServicer:
 
     def WatchCompletions(self, request, context):
         """Streams one completion event per job of the session (of the origin asked
-        for, if any), exactly once per stream, in completion order.
+        for, if any), exactly once per stream, in completion order. A stream whose
+        reader falls 8,192 completions behind is ended with RESOURCE_EXHAUSTED, and
+        the completions it had not sent are dropped: watch again with
+        include_retained (a session retains its last 1,024 finished jobs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -47,7 +47,10 @@ class JobServiceStub:
     """
     WatchCompletions: _grpc.UnaryStreamMultiCallable[_job_pb2.WatchCompletionsRequest, _job_pb2.Completion]
     """Streams one completion event per job of the session (of the origin asked
-    for, if any), exactly once per stream, in completion order.
+    for, if any), exactly once per stream, in completion order. A stream whose
+    reader falls 8,192 completions behind is ended with RESOURCE_EXHAUSTED, and
+    the completions it had not sent are dropped: watch again with
+    include_retained (a session retains its last 1,024 finished jobs).
     """
 
 @_typing.type_check_only
@@ -65,7 +68,10 @@ class JobServiceAsyncStub(JobServiceStub):
     """
     WatchCompletions: _aio.UnaryStreamMultiCallable[_job_pb2.WatchCompletionsRequest, _job_pb2.Completion]  # type: ignore[assignment]
     """Streams one completion event per job of the session (of the origin asked
-    for, if any), exactly once per stream, in completion order.
+    for, if any), exactly once per stream, in completion order. A stream whose
+    reader falls 8,192 completions behind is ended with RESOURCE_EXHAUSTED, and
+    the completions it had not sent are dropped: watch again with
+    include_retained (a session retains its last 1,024 finished jobs).
     """
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -110,7 +116,10 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_job_pb2.Completion], _abc.AsyncIterator[_job_pb2.Completion]]:
         """Streams one completion event per job of the session (of the origin asked
-        for, if any), exactly once per stream, in completion order.
+        for, if any), exactly once per stream, in completion order. A stream whose
+        reader falls 8,192 completions behind is ended with RESOURCE_EXHAUSTED, and
+        the completions it had not sent are dropped: watch again with
+        include_retained (a session retains its last 1,024 finished jobs).
         """
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
