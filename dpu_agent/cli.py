@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from dpu_agent import __version__, config, core_log, logs, server, tls
+from dpu_agent.network import tags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
         "check-config",
         help="validate a configuration and print the merged result",
         description="Validate the configuration (file + environment) and print it, "
-        "including the TLS files and tokens file the agent would read; exit 2 if the agent "
-        "would refuse to start (e.g. a non-loopback address without TLS).",
+        "including the TLS files, tokens file and tenant tags file the agent would read; "
+        "exit 2 if the agent would refuse to start (e.g. a non-loopback address without TLS).",
     )
     check.add_argument("-c", "--config", type=Path, help="TOML configuration file")
     return parser
@@ -87,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{field} = {value!r}")
         try:
             security = tls.security(cfg)
+            granted = tags.from_config(cfg)
         except config.ConfigError as exc:
             _error(f"configuration error: {exc}")
             return 2
         print(f"# security: {security.description}")
+        print(f"# tenant tags: {len(granted.grants)} tenant(s) granted VLAN ids or VNIs")
         return 0
     core_log.capture()  # gRPC core's lines (failed TLS handshakes) become our records
     faulthandler.enable(file=sys.stderr)  # the real stderr, not the capture pipe

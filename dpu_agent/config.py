@@ -46,6 +46,9 @@ Example file (every key optional):
     ports = "p0,p1,pf*,rep*"      # netdev name patterns of the managed ports
     rules_file = ""               # "" = next to the volume store: <state>/flow-rules.json
     netns = ""                    # the ports' network namespace ("" = the agent's own)
+    tenant_tags_file = ""         # the VLAN ids and VNIs each tenant's flow rules may push,
+                                  # pop and match (TOML, dpu_agent/network/tags.py);
+                                  # "" = none: only the admin role uses tags
 
     [virtualization]
     backend = "none"              # linux (veth + netns, NBD + NVMe-oF), bluefield, memory, none
@@ -168,6 +171,7 @@ class AgentConfig:
     network_ports: str = "p0,p1,pf*,rep*"
     network_rules_file: str = ""
     network_netns: str = ""
+    network_tenant_tags_file: str = ""
     virt_backend: str = "none"
     virt_state_file: str = ""
     virt_host_netns_prefix: str = "fn-"
@@ -532,6 +536,14 @@ SETTINGS: Final = (
         "where flow rules are saved",
     ),
     Setting("network", "netns", "network_netns", "DPU_AGENT_NETWORK_NETNS", _text, "ports' netns"),
+    Setting(
+        "network",
+        "tenant_tags_file",
+        "network_tenant_tags_file",
+        "DPU_AGENT_NETWORK_TENANT_TAGS_FILE",
+        _path,
+        'VLAN ids and VNIs granted to each tenant\'s flow rules (TOML; "" = none)',
+    ),
     *(
         Setting("virtualization", key, f"virt_{key}", f"DPU_AGENT_VIRT_{key.upper()}", parse, text)
         for key, parse, text in (
