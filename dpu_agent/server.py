@@ -27,9 +27,11 @@ from dpu_agent.events import MqttEventPublisher, MqttSettings
 from dpu_agent.interceptor import RpcInterceptor
 from dpu_agent.metrics import AgentMetrics
 from dpu_agent.metrics_http import MetricsServer
+from dpu_agent.network import tags
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
+from dpu_agent.network.tags import TenantTags
 from dpu_agent.network.tc_backend import TcFlowBackend
 from dpu_agent.quota import Quotas
 from dpu_agent.services.agent_info import AgentInfoService
@@ -215,6 +217,7 @@ class AgentServer:
         self.metrics: AgentMetrics | None = None  # None: [metrics] listen = ""
         self.metrics_endpoint: MetricsServer | None = None
         self.functions: FunctionManager | None = None
+        self.tenant_tags = TenantTags()  # read from [network] tenant_tags_file by start()
         self.exports = VolumeExports()
 
     @property
@@ -227,6 +230,7 @@ class AgentServer:
         if self._server is not None:
             raise RuntimeError("AgentServer.start() called twice")
         security = tls.security(self.config)  # ConfigError before anything is opened
+        self.tenant_tags = tags.from_config(self.config)  # ConfigError too
         start_time = timestamp_pb2.Timestamp()
         start_time.GetCurrentTime()
         devices = await asyncio.to_thread(platform.rdma_devices)
@@ -362,7 +366,8 @@ class AgentServer:
         )
         if self.flows is not None:
             network_pb2_grpc.add_NetworkServiceServicer_to_server(
-                NetworkService(self.flows, quotas, owners=self.functions), server
+                NetworkService(self.flows, quotas, owners=self.functions, tags=self.tenant_tags),
+                server,
             )
         if self.functions is not None:
             virtualization_pb2_grpc.add_VirtualizationServiceServicer_to_server(

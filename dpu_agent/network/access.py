@@ -1,4 +1,13 @@
-"""Which ports a caller may name in a flow rule: its functions' representors, shared ports.
+"""What a caller may name in a flow rule: ports and VLAN ids and VNIs.
+
+Ports: its functions' representors and shared ports; tags: those granted to its tenant.
+
+`check_rule_access` is the one check the network service makes of every rule a
+caller creates or changes (CreateFlowRule, UpdateFlowRule, ApplyFlowRules), before
+the flow table checks the rule itself: the ports, then the tags.
+
+Ports
+-----
 
 A function's representor port belongs to the function's tenant (the function manager
 knows which port each function got). A rule that names a port, as its ingress port or
@@ -11,7 +20,7 @@ without the admin role:
 | the representor of another tenant's function    | NOT_FOUND         | NOT_FOUND         |
 | a representor no function owns (*)              | NOT_FOUND         | NOT_FOUND         |
 | an uplink (`p0`, `p1`: every tenant's traffic)  | PERMISSION_DENIED | yes               |
-| any other managed port (a host netdev)          | yes               | yes               |
+| any other managed port (a host netdev)          | yes (tags: below) | yes               |
 | not a managed port                              | NOT_FOUND         | NOT_FOUND         |
 
 (*) when the agent manages functions: such a port is nobody's yet, and a rule on it
@@ -21,6 +30,46 @@ managed port.
 
 NOT_FOUND always says "ports/{name} does not exist", so another tenant's port cannot
 be told from a missing one. The admin role may name any managed port.
+
+Tags
+----
+
+The uplinks carry every tenant's traffic, and a VLAN id or VXLAN VNI is what keeps
+one tenant's frames out of another's segment there. So a tag is the operator's to
+give: `[network] tenant_tags_file` grants each tenant VLAN ids and VNIs
+(`dpu_agent.network.tags`; by default none). For a caller without the admin role:
+
+| the rule                                   | needs                                       |
+|--------------------------------------------|---------------------------------------------|
+| pushes VLAN id V (`vlan_push`)             | V granted                                   |
+| encapsulates in VNI N (`vxlan_encap`)      | N granted                                   |
+| pops a tag (`vlan_pop`)                    | a match on a granted `vlan_id` (the tag)    |
+| decapsulates (`vxlan_decap`)               | a match on a granted `vxlan_vni`            |
+| matches a tag on its own representor       | nothing                                     |
+| is on a host netdev (a shared ingress)     | a match on a tag; every tag matched granted |
+
+Else PERMISSION_DENIED naming the tag (or the missing match). Why each row:
+
+- push, encap: the frame enters that segment wherever it is sent next (an uplink
+  forward is allowed to anyone); an ungranted tag is another tenant's segment.
+- pop, decap: removing a tag takes frames out of a segment. On its own representor
+  the frames are the tenant's, but the tag may be the one the operator put its
+  function in (the function's `vlan_id` is the admin's to set; on BlueField that tag
+  is itself a rule on the representor), so the tag removed must be the tenant's to
+  remove; requiring the match names it.
+- matches on its own representor select among the tenant's own frames: harmless.
+- a host netdev (any managed port that is not an uplink or a representor) is shared:
+  any tenant may name it as ingress, and its traffic is everyone's. A rule there that
+  matched no tag would take (forward, mirror, drop, pop) every tenant's frames, so it
+  must be confined to the tenant's own segments. (A rule on an uplink is already the
+  admin's alone.) Without a function backend no representor is known to be anyone's
+  and tenants are not kept apart by port (*); representors then follow the
+  own-representor rows.
+
+Frames a function sends already tagged (the guest's own 802.1Q tag) and a rule
+forwards unchanged are kept in their segment by the function's own VLAN (`vlan_id`,
+admin-only; on BlueField an admin's rule on the representor), not by this check: a
+rule that names no tag is checked by its ports alone.
 """
 
 from __future__ import annotations
@@ -29,7 +78,16 @@ from typing import TYPE_CHECKING, Protocol
 
 from dpu_agent.auth import ADMIN_ROLE
 from dpu_agent.errors import NotFound, PermissionDenied
-from dpu_agent.network.model import Forward, Mirror, PortKind, port_kind
+from dpu_agent.network.model import (
+    Forward,
+    Mirror,
+    PortKind,
+    VlanPop,
+    VlanPush,
+    VxlanDecap,
+    VxlanEncap,
+    port_kind,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterator, Mapping
@@ -37,6 +95,7 @@ if TYPE_CHECKING:
 
     from dpu_agent.auth import Principal
     from dpu_agent.network.model import FlowRule
+    from dpu_agent.network.tags import TenantTags
 
 
 class PortOwners(Protocol):
@@ -55,6 +114,21 @@ def named_ports(rule: FlowRule) -> Iterator[tuple[str, bool]]:
     for action in rule.actions:
         if isinstance(action, Forward | Mirror):
             yield action.port, False
+
+
+def check_rule_access(
+    rule: FlowRule,
+    principal: Principal,
+    managed: Collection[str],
+    owners: Mapping[str, str] | None,
+    tags: TenantTags,
+) -> None:
+    """Raise NotFound or PermissionDenied unless `principal` may name the rule's ports and tags.
+
+    `owners` as for `check_rule_ports`; `tags` are the tenants' granted VLAN ids and VNIs.
+    """
+    check_rule_ports(rule, principal, managed, owners)
+    check_rule_tags(rule, principal, tags)
 
 
 def check_rule_ports(
@@ -83,6 +157,55 @@ def check_rule_ports(
             raise _missing(port)
         if kind is PortKind.UPLINK and ingress:
             raise PermissionDenied(f"a rule on uplink port {port} needs the {ADMIN_ROLE} role")
+
+
+def check_rule_tags(rule: FlowRule, principal: Principal, tags: TenantTags) -> None:
+    """Raise PermissionDenied unless every VLAN id and VNI `rule` uses is `principal`'s."""
+    if principal.admin:
+        return
+    grant = tags.of(principal.tenant)
+    for value, vlan, where in _tags_used(rule, principal.tenant):
+        if value not in (grant.vlans if vlan else grant.vnis):
+            raise PermissionDenied(
+                f"{where}: {'VLAN' if vlan else 'VNI'} {value} is not granted to tenant"
+                f" {principal.tenant!r} (the operator grants tags in [network] tenant_tags_file)"
+            )
+
+
+def _tags_used(rule: FlowRule, tenant: str) -> Iterator[tuple[int, bool, str]]:
+    """(id, is it a VLAN id (else a VNI), where) of every tag the rule must be granted.
+
+    PermissionDenied if a rule that must name a tag (on a host port, popping,
+    decapsulating) names none.
+    """
+    match = rule.match
+    if port_kind(rule.ingress_port) is PortKind.HOST:
+        if match.vlan_id is None and match.vxlan_vni is None:
+            raise PermissionDenied(
+                f"a rule on host port {rule.ingress_port} acts on every tenant's traffic: it"
+                f" must match a VLAN id or VNI granted to tenant {tenant!r} (match.vlan_id,"
+                " match.vxlan_vni)"
+            )
+        if match.vlan_id is not None:
+            yield match.vlan_id, True, "match.vlan_id"
+        if match.vxlan_vni is not None:
+            yield match.vxlan_vni, False, "match.vxlan_vni"
+    for index, action in enumerate(rule.actions):
+        where = f"actions[{index}]"
+        if isinstance(action, VlanPush):
+            yield action.vlan_id, True, f"{where}: vlan_push"
+        elif isinstance(action, VxlanEncap):
+            yield action.vni, False, f"{where}: vxlan_encap"
+        elif isinstance(action, VlanPop | VxlanDecap):
+            vlan = isinstance(action, VlanPop)
+            name, field = ("vlan_pop", "vlan_id") if vlan else ("vxlan_decap", "vxlan_vni")
+            removed = getattr(match, field)
+            if removed is None:
+                raise PermissionDenied(
+                    f"{where}: {name} removes a tag: the rule must match it (match.{field}),"
+                    f" and it must be granted to tenant {tenant!r}"
+                )
+            yield removed, vlan, f"{where}: {name}"
 
 
 def _missing(port: str) -> NotFound:

@@ -4,7 +4,9 @@ Ports are agent-wide: listing them needs the admin role. Which ports a rule may 
 (its ingress port, and the targets of its forwards and mirrors) depends on who calls
 (`dpu_agent.network.access`): a function's representor only by the function's tenant,
 an uplink as ingress only by an admin; another tenant's port answers NOT_FOUND exactly
-as a missing one does. A flow rule belongs to the tenant that created it (kept in the
+as a missing one does. The VLAN ids and VNIs a rule pushes, pops and matches must be
+granted to the caller's tenant (`[network] tenant_tags_file`; admins need none);
+else PERMISSION_DENIED. A flow rule belongs to the tenant that created it (kept in the
 rule store); another tenant's rule answers NOT_FOUND exactly as a missing one does,
 and admins see all. `[quota] max_flow_rules` bounds the rules of a tenant.
 """
@@ -19,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Final
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument, NotFound, ResourceExhausted
 from dpu_agent.network import model
-from dpu_agent.network.access import check_rule_ports
+from dpu_agent.network.access import check_rule_access
 from dpu_agent.network.table import Applied, Changes
+from dpu_agent.network.tags import TenantTags
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_wire import names
@@ -233,18 +236,23 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     """Ports and flow rules; the table does the work in a thread."""
 
     def __init__(
-        self, table: FlowTable, quotas: Quotas | None = None, owners: PortOwners | None = None
+        self,
+        table: FlowTable,
+        quotas: Quotas | None = None,
+        owners: PortOwners | None = None,
+        tags: TenantTags | None = None,
     ) -> None:
         self._table = table
         self._quotas = quotas or Quotas()
         self._owners = owners  # None: the agent manages no functions
+        self._tags = tags or TenantTags()  # none given: no tenant may use a tag
         self._creating = asyncio.Lock()  # the quota check and the create hold together
         self._watches: collections.Counter[str] = collections.Counter()  # tenant -> streams
 
     def _checked(
         self, rule: model.FlowRule, principal: Principal, *, replace: bool
     ) -> model.FlowRule:
-        """Create (or replace) the rule if the caller may name its ports. In a thread.
+        """Create (or replace) the rule if the caller may name its ports and tags. In a thread.
 
         Port ownership is held still from the check until the rule is in the table, so
         a function cannot be deleted (and its port change hands) in between.
@@ -262,7 +270,8 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         *,
         replace: bool,
     ) -> model.FlowRule:
-        check_rule_ports(rule, principal, {p.name for p in self._table.ports()}, owners)
+        managed = {p.name for p in self._table.ports()}
+        check_rule_access(rule, principal, managed, owners, self._tags)
         return self._table.update(rule) if replace else self._table.create(rule)
 
     async def _owned(self, rule_id: str) -> model.FlowRule:
@@ -396,7 +405,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
 
         Each list holds at most 1024 entries and the request 4096 items in all
         (`dpu_agent.validation`). Updates and deletes name the caller's rules
-        (another tenant's answer NOT_FOUND), every port is checked as for one rule,
+        (another tenant's answer NOT_FOUND), every port and tag is checked as for one rule,
         and the tenant's quota counts the rules after the whole change.
         """
         principal = auth.current_principal()
@@ -456,7 +465,9 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         principal: Principal,
         validate_only: bool,  # noqa: FBT001
     ) -> Applied:
-        """Check every port the change names, then apply it, ownership held still. In a thread.
+        """Check every port and tag the change names, then apply it, ownership held still.
+
+        In a thread.
 
         `rule_owners` gives the tenant each deleted rule had when the caller was checked.
         """
@@ -475,7 +486,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     ) -> Applied:
         managed = {p.name for p in self._table.ports()}
         for rule in (*changes.create, *changes.update):
-            check_rule_ports(rule, principal, managed, owners)
+            check_rule_access(rule, principal, managed, owners, self._tags)
         return self._table.apply(changes, validate_only=validate_only, owners=rule_owners)
 
     async def WatchFlowCounters(

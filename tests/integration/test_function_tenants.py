@@ -1,4 +1,5 @@
-"""Functions are tenant-owned: another tenant cannot see, change, delete or borrow them."""
+"""Functions are tenant-owned: another tenant cannot see, change, delete or borrow them,
+and a tenant's flow rules use only the VLAN ids and VNIs granted to it."""
 
 import grpc
 import pytest
@@ -14,16 +15,33 @@ VF = virtualization_pb2.FUNCTION_TYPE_VF
 NVME = virtualization_pb2.FUNCTION_TYPE_NVME
 
 
+# the operator's grants: A's segments are VLANs 200-299 and VNI 7000, B's VLAN 100, VNI 5000
+TENANT_TAGS = """
+[tenant.tenant-a]
+vlans = ["200-299"]
+vnis = [7000]
+
+[tenant.tenant-b]
+vlans = [100]
+vnis = ["5000"]
+"""
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     pki = make_pki(tmp_path_factory.mktemp("pki"))
+    directory = tmp_path_factory.mktemp("agent")
+    tags = directory / "tenant-tags.toml"
+    tags.write_text(TENANT_TAGS)
+    tags.chmod(0o644)
     agent = start_agent(
-        tmp_path_factory.mktemp("agent"),
+        directory,
         pki=pki,
         env={
             "DPU_AGENT_NETWORK_BACKEND": "memory",
             "DPU_AGENT_VIRT_BACKEND": "memory",
             "DPU_AGENT_STORAGE_BACKEND": "memory",
+            "DPU_AGENT_NETWORK_TENANT_TAGS_FILE": str(tags),
         },
     )
     yield agent, pki
@@ -192,3 +210,69 @@ async def test_a_functions_isolation_is_the_admins_to_set(setup):
         )
         assert changed.vlan_id == 100
         await a.delete_function("functions/iso-a")
+
+
+def push(vlan_id):
+    return network_pb2.FlowAction(vlan_push=network_pb2.VlanPushAction(vlan_id=vlan_id))
+
+
+def encap(vni):
+    tunnel = network_pb2.VxlanEncapAction(vni=vni, src_ip="10.0.0.2", dst_ip="10.0.0.9")
+    return network_pb2.FlowAction(vxlan_encap=tunnel)
+
+
+async def test_a_tenant_pushes_only_the_tags_granted_to_it(setup):
+    """A rule of tenant A pushed tenant B's VLAN (or encapsulated in B's VNI) and sent it
+    out of the shared uplink: A's frames in B's segment (an outside audit, R07). The
+    operator grants each tenant its tags ([network] tenant_tags_file); any other is
+    PERMISSION_DENIED on create, update and bulk apply, and nothing changes."""
+    async with (
+        client(setup, "tenant-a") as a,
+        client(setup, "tenant-b") as b,
+        client(setup, "ops", admin=True) as ops,
+    ):
+        made = await a.create_function("tags-a", virtualization_pb2.Function(type=VF))
+        port = made.representor_port.removeprefix("ports/")
+        for rule_id, attempt, tag in (
+            ("inj-vlan", rule(port, push(100), forward("p0")), "VLAN 100"),
+            ("inj-vni", rule(port, encap(5000), forward("p0"), priority=11), "VNI 5000"),
+            ("inj-plain", rule(port, push(1), forward("p0"), priority=12), "VLAN 1"),
+        ):
+            with pytest.raises(host_client.PermissionDeniedError) as denied:
+                await a.create_flow_rule(rule_id, attempt)
+            assert f"{tag} is not granted to tenant 'tenant-a'" in denied.value.message
+        assert await ops.list_flow_rules() == []  # nothing was created
+        own = await a.create_flow_rule("a-vlan", rule(port, push(250), forward("p0")))
+        assert own.actions[0].vlan_push.vlan_id == 250  # its own segment: fine
+        await a.create_flow_rule("a-vni", rule(port, encap(7000), forward("p0"), priority=11))
+
+        update = network_pb2.UpdateFlowRuleRequest(
+            flow_rule=network_pb2.FlowRule(name=own.name, actions=[push(100), forward("p0")]),
+            update_mask=field_mask_pb2.FieldMask(paths=["actions"]),
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as changed:
+            await a.stubs.network.UpdateFlowRule(update)
+        assert changed.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "VLAN 100 is not granted" in (changed.value.details() or "")
+        assert (await a.get_flow_rule(own.name)).actions[0].vlan_push.vlan_id == 250
+
+        good = rule(port, push(299), forward("p0"), priority=20)
+        good.name = "flowRules/a-bulk"
+        bad = rule(port, encap(5000), forward("p0"), priority=21)
+        bad.name = "flowRules/a-bulk-bad"
+        with pytest.raises(host_client.PermissionDeniedError, match="VNI 5000 is not granted"):
+            await a.apply_flow_rules(creates=[good, bad])
+        assert sorted(r.name for r in await ops.list_flow_rules()) == [
+            "flowRules/a-vlan",
+            "flowRules/a-vni",
+        ]
+        # B holds VLAN 100; the operator uses any tag
+        b_fn = await b.create_function("tags-b", virtualization_pb2.Function(type=VF))
+        b_port = b_fn.representor_port.removeprefix("ports/")
+        await b.create_flow_rule("b-vlan", rule(b_port, push(100), forward("p0")))
+        await ops.create_flow_rule("ops-vlan", rule(port, push(4000), forward("p0"), priority=30))
+        for name in ("flowRules/a-vlan", "flowRules/a-vni", "flowRules/ops-vlan"):
+            await ops.delete_flow_rule(name)
+        await b.delete_flow_rule("flowRules/b-vlan")
+        await a.delete_function("functions/tags-a")
+        await b.delete_function("functions/tags-b")

@@ -11,7 +11,8 @@ import pytest
 
 from dpu_agent import auth
 from dpu_agent.auth import Principal
-from dpu_agent.errors import InvalidArgument, NotFound
+from dpu_agent.errors import InvalidArgument, NotFound, PermissionDenied
+from dpu_agent.network import model
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
@@ -117,3 +118,65 @@ def test_an_update_without_a_mask_may_not_move_the_rule(table: FlowTable) -> Non
     assert update(A, "ports/pf0vf0", 11).ingress_port == "ports/pf0vf0"  # the same port
     assert update(A, "", 12).ingress_port == "ports/pf0vf0"  # none given: kept
     assert [(r.ingress_port, r.priority) for r in table.rules()] == [("pf0vf0", 12)]
+
+
+def push_rule(name: str, vlan_id: int, priority: int = 10) -> network_pb2.FlowRule:
+    rule = network_pb2.FlowRule(name=name, ingress_port="ports/pf0vf0", priority=priority)
+    rule.actions.add().vlan_push.vlan_id = vlan_id
+    rule.actions.add().forward.port = "ports/p0"
+    return rule
+
+
+def test_every_call_that_takes_a_rule_checks_its_tags(table: FlowTable, tmp_path: Path) -> None:
+    """Create, update and bulk apply refuse a VLAN the tenant was not granted, and change
+    nothing; a tenant without a grant (no tags file: every tenant) pushes none."""
+    functions = FunctionManager(
+        MemoryFunctionBackend(), FunctionStore(tmp_path / "f.json"), flow_rules=table.rules
+    )
+    functions.start()
+    functions.create(FunctionSpec("a-fn", FunctionType.VF, tenant="tenant-a"))  # pf0vf0
+    service = NetworkService(table, owners=functions)
+    create = network_pb2.CreateFlowRuleRequest(flow_rule_id="r1", flow_rule=push_rule("", 100))
+    with pytest.raises(PermissionDenied, match="VLAN 100 is not granted to tenant 'tenant-a'"):
+        call(A, lambda: service.CreateFlowRule(create, CONTEXT))
+    bulk = network_pb2.ApplyFlowRulesRequest(
+        creates=[count_rule("flowRules/ok", "ports/pf0vf0", 1), push_rule("flowRules/r2", 100)]
+    )
+    with pytest.raises(PermissionDenied, match="VLAN 100 is not granted"):
+        call(A, lambda: service.ApplyFlowRules(bulk, CONTEXT))
+    assert table.rules() == []
+    call(ADMIN, lambda: service.CreateFlowRule(create, CONTEXT))  # the admin: any tag
+    assert [r.rule_id for r in table.rules()] == ["r1"]
+    mine = network_pb2.CreateFlowRuleRequest(
+        flow_rule_id="a1", flow_rule=count_rule("", "ports/pf0vf0", 5)
+    )
+    call(A, lambda: service.CreateFlowRule(mine, CONTEXT))
+    update = network_pb2.UpdateFlowRuleRequest(flow_rule=push_rule("flowRules/a1", 100, 5))
+    with pytest.raises(PermissionDenied, match="VLAN 100 is not granted"):
+        call(A, lambda: service.UpdateFlowRule(update, CONTEXT))
+    bulk_update = network_pb2.ApplyFlowRulesRequest(updates=[push_rule("flowRules/a1", 100, 5)])
+    with pytest.raises(PermissionDenied, match="VLAN 100 is not granted"):
+        call(A, lambda: service.ApplyFlowRules(bulk_update, CONTEXT))
+    assert table.get("a1").actions == (model.Count(),)  # unchanged
+
+
+def test_a_granted_tag_is_the_tenants_to_push(table: FlowTable, tmp_path: Path) -> None:
+    from dpu_agent.network import tags  # noqa: PLC0415 - new with the grants
+
+    functions = FunctionManager(
+        MemoryFunctionBackend(), FunctionStore(tmp_path / "f.json"), flow_rules=table.rules
+    )
+    functions.start()
+    functions.create(FunctionSpec("a-fn", FunctionType.VF, tenant="tenant-a"))  # pf0vf0
+    granted = tags.parse({"tenant": {"tenant-a": {"vlans": ["200-299"]}}}, "test")
+    service = NetworkService(table, owners=functions, tags=granted)
+    create = network_pb2.CreateFlowRuleRequest(flow_rule_id="r1", flow_rule=push_rule("", 250))
+    assert call(A, lambda: service.CreateFlowRule(create, CONTEXT)).name == "flowRules/r1"
+    update = network_pb2.UpdateFlowRuleRequest(flow_rule=push_rule("flowRules/r1", 300))
+    with pytest.raises(PermissionDenied, match="VLAN 300 is not granted"):
+        call(A, lambda: service.UpdateFlowRule(update, CONTEXT))
+    update = network_pb2.UpdateFlowRuleRequest(flow_rule=push_rule("flowRules/r1", 299))
+    call(A, lambda: service.UpdateFlowRule(update, CONTEXT))
+    bulk = network_pb2.ApplyFlowRulesRequest(creates=[push_rule("flowRules/r2", 200, 11)])
+    call(A, lambda: service.ApplyFlowRules(bulk, CONTEXT))
+    assert [r.rule_id for r in table.rules()] == ["r1", "r2"]

@@ -1,5 +1,7 @@
-"""VLAN ids and VNIs in flow rules: the operator's grants (`[network] tenant_tags_file`)."""
+"""VLAN ids and VNIs in flow rules: the operator's grants (`[network] tenant_tags_file`)
+and the check of a rule against them (`dpu_agent.network.access`)."""
 
+import ipaddress
 import os
 import subprocess
 import sys
@@ -8,8 +10,11 @@ from pathlib import Path
 import pytest
 
 from dpu_agent import config
+from dpu_agent.auth import Principal
 from dpu_agent.config import ConfigError
-from dpu_agent.network import tags
+from dpu_agent.errors import NotFound, PermissionDenied
+from dpu_agent.network import model, tags
+from dpu_agent.network.access import check_rule_access, check_rule_tags
 
 GOOD = """
 [tenant.tenant-a]
@@ -119,3 +124,89 @@ def test_check_config_reads_the_tags_file_as_the_agent_would(tmp_path):
     assert done.returncode == 2
     assert "configuration error: network.tenant_tags_file: " in done.stderr
     assert "tenant.a.vlans[0]: '5000' is not an id" in done.stderr
+
+
+# ------------------------------------------------------------------ the check of a rule
+
+A = Principal("tenant-a")
+ADMIN = Principal("ops", admin=True)
+GRANTS = tags.parse(
+    {"tenant": {"tenant-a": {"vlans": ["200-299"], "vnis": [7000]}, "tenant-b": {"vlans": [100]}}},
+    "test",
+)
+OWNERS = {"pf0vf0": "tenant-a", "pf0vf1": "tenant-b"}
+MANAGED = {"p0", "pf0vf0", "pf0vf1", "eth5"}
+IP = ipaddress.ip_address
+
+
+def tagged(port="pf0vf0", *actions, vlan=None, vni=None):
+    return model.FlowRule(
+        "r",
+        10,
+        port,
+        model.FlowMatch(vlan_id=vlan, vxlan_vni=vni),
+        (*actions, model.Forward("p0")),
+        tenant="tenant-a",
+    )
+
+
+def encap(vni):
+    return model.VxlanEncap(vni, IP("10.0.0.1"), IP("10.0.0.9"))
+
+
+@pytest.mark.parametrize(
+    ("rule", "refused"),
+    [
+        (tagged("pf0vf0", model.VlanPush(250)), None),  # its own segment
+        (
+            tagged("pf0vf0", model.VlanPush(100)),
+            r"actions\[0\]: vlan_push: VLAN 100 is not granted",
+        ),
+        (tagged("pf0vf0", model.VlanPush(1)), "VLAN 1 is not granted"),
+        (tagged("pf0vf0", encap(7000)), None),
+        (tagged("pf0vf0", encap(5000)), r"actions\[0\]: vxlan_encap: VNI 5000 is not granted"),
+        (
+            tagged("pf0vf0", model.VlanPush(250), encap(5000)),
+            r"actions\[1\]: vxlan_encap: VNI 5000",
+        ),
+        # pop and decap name the tag they remove, which must be the tenant's
+        (tagged("pf0vf0", model.VlanPop()), r"vlan_pop removes a tag: .*match\.vlan_id"),
+        (tagged("pf0vf0", model.VlanPop(), vlan=100), "vlan_pop: VLAN 100 is not granted"),
+        (tagged("pf0vf0", model.VlanPop(), vlan=200), None),
+        (tagged("pf0vf0", model.VxlanDecap()), r"vxlan_decap removes a tag: .*match\.vxlan_vni"),
+        (tagged("pf0vf0", model.VxlanDecap(), vni=5000), "vxlan_decap: VNI 5000 is not granted"),
+        (tagged("pf0vf0", model.VxlanDecap(), vni=7000), None),
+        # matching on its own representor selects its own frames
+        (tagged("pf0vf0", vlan=100, vni=5000), None),
+        (tagged("pf0vf0"), None),
+        # a host netdev carries everyone's traffic: a rule there keeps to its tags
+        (tagged("eth5"), "host port eth5 acts on every tenant's traffic"),
+        (tagged("eth5", vlan=100), "match.vlan_id: VLAN 100 is not granted"),
+        (tagged("eth5", vni=5000), "match.vxlan_vni: VNI 5000 is not granted"),
+        (tagged("eth5", vlan=200, vni=5000), "VNI 5000 is not granted"),
+        (tagged("eth5", vlan=200), None),
+        (tagged("eth5", model.VlanPop(), vlan=200), None),
+        (tagged("eth5", model.VxlanDecap(), vni=7000), None),
+    ],
+)
+def test_a_tenant_names_only_its_granted_tags(rule, refused):
+    if refused is None:
+        check_rule_access(rule, A, MANAGED, OWNERS, GRANTS)
+    else:
+        with pytest.raises(PermissionDenied, match=refused) as denied:
+            check_rule_access(rule, A, MANAGED, OWNERS, GRANTS)
+        assert "tenant 'tenant-a'" in str(denied.value)
+    check_rule_tags(rule, ADMIN, GRANTS)  # the admin: any tag, anywhere
+    check_rule_tags(rule, ADMIN, tags.TenantTags())
+
+
+def test_without_a_tags_file_a_tenant_uses_no_tag():
+    with pytest.raises(PermissionDenied, match="VLAN 250 is not granted"):
+        check_rule_tags(tagged("pf0vf0", model.VlanPush(250)), A, tags.TenantTags())
+    check_rule_tags(tagged("pf0vf0"), A, tags.TenantTags())  # no tag: the ports decide
+
+
+def test_the_ports_are_checked_before_the_tags():
+    """B's port answers NOT_FOUND as a missing one, whatever tag the rule names."""
+    with pytest.raises(NotFound, match=r"^ports/pf0vf1 does not exist$"):
+        check_rule_access(tagged("pf0vf1", model.VlanPush(100)), A, MANAGED, OWNERS, GRANTS)
