@@ -100,7 +100,14 @@ class NetworkServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateFlowRule(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Programs a rule owned by the caller's tenant. For a caller without the admin
+        role, the rule's ports and tags are checked: another tenant's representor is
+        NOT_FOUND, an uplink as the ingress port PERMISSION_DENIED, and every VLAN id and
+        VNI the rule pushes, encapsulates, pops or decapsulates (a pop or decap must match
+        the tag it removes; a rule on a host port must match a tag) must be one the
+        operator granted the tenant (the agent's [network] tenant_tags_file), else
+        PERMISSION_DENIED naming the tag.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -122,6 +129,7 @@ class NetworkServiceServicer:
         names, or all four when it is empty. The ingress port cannot change (delete
         the rule and create it): without a mask, an ingress port other than the rule's
         is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
+        The new rule's ports and tags are checked as in CreateFlowRule.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,7 +144,8 @@ class NetworkServiceServicer:
     def ApplyFlowRules(self, request, context):
         """Creates, updates and deletes many rules as one unit: all of them or none (the
         datapath and the saved rules stay as they were). The datapath gets the whole
-        change at once (tc: one netlink batch).
+        change at once (tc: one netlink batch). Every created or updated rule's ports
+        and tags are checked as in CreateFlowRule.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

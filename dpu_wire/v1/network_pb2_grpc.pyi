@@ -40,6 +40,14 @@ class NetworkServiceStub:
     GetPort: _grpc.UnaryUnaryMultiCallable[_network_pb2.GetPortRequest, _network_pb2.Port]
     """One port. Admin role; a port the agent does not manage is NOT_FOUND."""
     CreateFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.CreateFlowRuleRequest, _network_pb2.FlowRule]
+    """Programs a rule owned by the caller's tenant. For a caller without the admin
+    role, the rule's ports and tags are checked: another tenant's representor is
+    NOT_FOUND, an uplink as the ingress port PERMISSION_DENIED, and every VLAN id and
+    VNI the rule pushes, encapsulates, pops or decapsulates (a pop or decap must match
+    the tag it removes; a rule on a host port must match a tag) must be one the
+    operator granted the tenant (the agent's [network] tenant_tags_file), else
+    PERMISSION_DENIED naming the tag.
+    """
     GetFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]
     ListFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]
     UpdateFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.UpdateFlowRuleRequest, _network_pb2.FlowRule]
@@ -47,12 +55,14 @@ class NetworkServiceStub:
     names, or all four when it is empty. The ingress port cannot change (delete
     the rule and create it): without a mask, an ingress port other than the rule's
     is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
+    The new rule's ports and tags are checked as in CreateFlowRule.
     """
     DeleteFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.DeleteFlowRuleRequest, _network_pb2.DeleteFlowRuleResponse]
     ApplyFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ApplyFlowRulesRequest, _network_pb2.ApplyFlowRulesResponse]
     """Creates, updates and deletes many rules as one unit: all of them or none (the
     datapath and the saved rules stay as they were). The datapath gets the whole
-    change at once (tc: one netlink batch).
+    change at once (tc: one netlink batch). Every created or updated rule's ports
+    and tags are checked as in CreateFlowRule.
     """
     WatchFlowCounters: _grpc.UnaryStreamMultiCallable[_network_pb2.WatchFlowCountersRequest, _network_pb2.FlowCounterUpdate]
     """Streams counter updates of the selected rules at the requested interval."""
@@ -65,6 +75,14 @@ class NetworkServiceAsyncStub(NetworkServiceStub):
     GetPort: _aio.UnaryUnaryMultiCallable[_network_pb2.GetPortRequest, _network_pb2.Port]  # type: ignore[assignment]
     """One port. Admin role; a port the agent does not manage is NOT_FOUND."""
     CreateFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.CreateFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
+    """Programs a rule owned by the caller's tenant. For a caller without the admin
+    role, the rule's ports and tags are checked: another tenant's representor is
+    NOT_FOUND, an uplink as the ingress port PERMISSION_DENIED, and every VLAN id and
+    VNI the rule pushes, encapsulates, pops or decapsulates (a pop or decap must match
+    the tag it removes; a rule on a host port must match a tag) must be one the
+    operator granted the tenant (the agent's [network] tenant_tags_file), else
+    PERMISSION_DENIED naming the tag.
+    """
     GetFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
     ListFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]  # type: ignore[assignment]
     UpdateFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.UpdateFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
@@ -72,12 +90,14 @@ class NetworkServiceAsyncStub(NetworkServiceStub):
     names, or all four when it is empty. The ingress port cannot change (delete
     the rule and create it): without a mask, an ingress port other than the rule's
     is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
+    The new rule's ports and tags are checked as in CreateFlowRule.
     """
     DeleteFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.DeleteFlowRuleRequest, _network_pb2.DeleteFlowRuleResponse]  # type: ignore[assignment]
     ApplyFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ApplyFlowRulesRequest, _network_pb2.ApplyFlowRulesResponse]  # type: ignore[assignment]
     """Creates, updates and deletes many rules as one unit: all of them or none (the
     datapath and the saved rules stay as they were). The datapath gets the whole
-    change at once (tc: one netlink batch).
+    change at once (tc: one netlink batch). Every created or updated rule's ports
+    and tags are checked as in CreateFlowRule.
     """
     WatchFlowCounters: _aio.UnaryStreamMultiCallable[_network_pb2.WatchFlowCountersRequest, _network_pb2.FlowCounterUpdate]  # type: ignore[assignment]
     """Streams counter updates of the selected rules at the requested interval."""
@@ -104,7 +124,15 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _network_pb2.CreateFlowRuleRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_network_pb2.FlowRule, _abc.Awaitable[_network_pb2.FlowRule]]: ...
+    ) -> _typing.Union[_network_pb2.FlowRule, _abc.Awaitable[_network_pb2.FlowRule]]:
+        """Programs a rule owned by the caller's tenant. For a caller without the admin
+        role, the rule's ports and tags are checked: another tenant's representor is
+        NOT_FOUND, an uplink as the ingress port PERMISSION_DENIED, and every VLAN id and
+        VNI the rule pushes, encapsulates, pops or decapsulates (a pop or decap must match
+        the tag it removes; a rule on a host port must match a tag) must be one the
+        operator granted the tenant (the agent's [network] tenant_tags_file), else
+        PERMISSION_DENIED naming the tag.
+        """
 
     @_abc_1.abstractmethod
     def GetFlowRule(
@@ -130,6 +158,7 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
         names, or all four when it is empty. The ingress port cannot change (delete
         the rule and create it): without a mask, an ingress port other than the rule's
         is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
+        The new rule's ports and tags are checked as in CreateFlowRule.
         """
 
     @_abc_1.abstractmethod
@@ -147,7 +176,8 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_network_pb2.ApplyFlowRulesResponse, _abc.Awaitable[_network_pb2.ApplyFlowRulesResponse]]:
         """Creates, updates and deletes many rules as one unit: all of them or none (the
         datapath and the saved rules stay as they were). The datapath gets the whole
-        change at once (tc: one netlink batch).
+        change at once (tc: one netlink batch). Every created or updated rule's ports
+        and tags are checked as in CreateFlowRule.
         """
 
     @_abc_1.abstractmethod
