@@ -189,7 +189,8 @@ ip link set veth0 up && ip link set veth1 up || fail "cannot bring veth0/veth1 u
 # sequence NAK, counts the retransmission against the QP's retry budget, and a stream of
 # 1 MiB WRITEs spent it: IBV_WC_RETRY_EXC_ERR with both peers alive and no packet lost.
 # RPS hashes each flow (one QP's UDP port pair) to one CPU, so each QP's packets stay
-# in order (docs/performance.md, "Out-of-order packets on the test bed's veth pair").
+# in order (docs/performance-history.md, "Out-of-order packets on the test bed's veth
+# pair").
 for dev in veth0 veth1; do
     echo {rps_mask} > /sys/class/net/$dev/queues/rx-0/rps_cpus || fail "cannot set RPS on $dev"
 done

@@ -116,7 +116,8 @@ def _zstd_compressor() -> zstandard.ZstdCompressor:
 
     A compressor's context holds large tables that it zeroes when it is set up. Made
     afresh for every job, on worker threads that allocate and free in turn, they cost
-    page faults and a memset on top of the compression (perf; docs/performance.md).
+    page faults and a memset on top of the compression (perf; docs/performance-history.md,
+    "One-shot zstd COMPRESS jobs reuse their worker's compressor").
     """
     found: zstandard.ZstdCompressor | None = getattr(_local, "zstd", None)
     if found is None:
