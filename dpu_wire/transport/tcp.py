@@ -61,6 +61,8 @@ if TYPE_CHECKING:
     from dpu_wire.transport.base import LinkSink
 
 log = logging.getLogger(__name__)
+# Every failure to reach the host says only this (data-plane.md DP-1.3-3).
+HANDSHAKE_FAILED: Final = "the tcp connection or its HELLO exchange failed"
 
 FRAME = struct.Struct("<BBHIQII")
 STATUS_OK: Final = 0
@@ -459,7 +461,7 @@ async def dial(
         log.debug("tcp data plane handshake failed", extra={"error": repr(exc)})
         if sock is not None:
             sock.close()
-        raise TransportError("cannot connect the data plane to the host") from None
+        raise TransportError(HANDSHAKE_FAILED) from None
     except BaseException:
         if sock is not None:
             sock.close()

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.asyncio
 JOBS = 30_000
 
 
-async def read_until_the_end(call: grpc.aio.UnaryStreamCall) -> tuple[int, grpc.StatusCode]:
+async def read_until_the_end(
+    call: grpc.aio.UnaryStreamCall[job_pb2.WatchCompletionsRequest, job_pb2.Completion],
+) -> tuple[int, grpc.StatusCode]:
     read = 0
     try:
         async for _ in call:

@@ -13,16 +13,19 @@ def record(job_id: int) -> JobRecord:
     return JobRecord(job_id, JobKind.CRC32C, Span(), Span(), Origin.CAPSULE, 0.0)
 
 
+def job_id(job: JobRecord | None) -> int:
+    assert job is not None
+    return job.job_id
+
+
 @pytest.mark.asyncio
 async def test_a_stream_that_falls_behind_drops_what_it_holds_and_ends():
     watcher = Watcher(asyncio.get_running_loop())
     watcher.put_many([record(i) for i in range(WATCHER_BACKLOG)])
-    assert watcher.queue.qsize() == WATCHER_BACKLOG
-    assert not watcher.overflowed
+    assert (watcher.queue.qsize(), watcher.overflowed) == (WATCHER_BACKLOG, False)
     watcher.put(record(WATCHER_BACKLOG))
-    assert watcher.overflowed
-    # nothing of what it held is kept for a reader that may never come back
-    assert watcher.queue.qsize() == 1
+    # it ends, and nothing of what it held is kept for a reader that may never come back
+    assert (watcher.overflowed, watcher.queue.qsize()) == (True, 1)
     assert await watcher.queue.get() is None
     watcher.put_many([record(i) for i in range(10)])  # later jobs are not queued either
     watcher.put(None)
@@ -34,7 +37,7 @@ async def test_a_stream_that_keeps_up_gets_every_job_then_the_end():
     watcher = Watcher(asyncio.get_running_loop())
     for chunk in range(4):
         watcher.put_many([record(chunk * WATCHER_BACKLOG + i) for i in range(WATCHER_BACKLOG)])
-        got = [watcher.queue.get_nowait().job_id for _ in range(WATCHER_BACKLOG)]
+        got = [job_id(watcher.queue.get_nowait()) for _ in range(WATCHER_BACKLOG)]
         assert got == list(range(chunk * WATCHER_BACKLOG, (chunk + 1) * WATCHER_BACKLOG))
     watcher.put(None)
     assert not watcher.overflowed
