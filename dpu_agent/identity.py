@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING, Any, Final
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from dpu_agent import tomltext
 from dpu_agent.auth import ADMIN_ROLE, LOCAL_ADMIN, Principal, Via
 from dpu_agent.errors import Unauthenticated
-from dpu_agent.private_files import read_with_mode
+from dpu_agent.private_files import read_toml
 from dpu_wire import names
 
 if TYPE_CHECKING:
@@ -165,22 +164,7 @@ def peer_is_loopback(peer: str) -> bool:
 
 def load_tokens(path: Path) -> TokenAuthenticator:
     """Read a tokens file (see the module docstring); TokensFileError says what is wrong."""
-    try:
-        data, mode = read_with_mode(path, MAX_TOKENS_FILE_BYTES)
-    except OSError as exc:
-        raise TokensFileError(f"{path}: cannot read: {exc.strerror}") from None
-    if mode & 0o077:
-        raise TokensFileError(
-            f"{path} may be read by group or others (mode {mode:04o}); it must be 0600"
-        )
-    if len(data) > MAX_TOKENS_FILE_BYTES:
-        raise TokensFileError(f"{path}: larger than {MAX_TOKENS_FILE_BYTES} bytes")
-    try:
-        doc = tomltext.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise TokensFileError(f"{path}: not UTF-8 text") from None
-    except tomltext.TomlError as exc:
-        raise TokensFileError(f"{path}: {exc}") from None
+    doc = read_toml(path, MAX_TOKENS_FILE_BYTES, TokensFileError, secret=True)
     unknown = set(doc) - {"token"}
     if unknown:
         raise TokensFileError(f"{path}: unknown key {min(unknown)!r} (expected [[token]])")

@@ -1,11 +1,14 @@
-"""Reading files that hold secrets (keys, tokens): bounded, with their permission bits."""
+"""Reading the agent's own files (keys, tokens, grants): bounded, with their permission bits."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from dpu_agent import tomltext
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
 
@@ -20,3 +23,30 @@ def read_with_mode(path: Path, limit: int) -> tuple[bytes, int]:
         return os.read(fd, limit + 1), os.fstat(fd).st_mode & 0o777
     finally:
         os.close(fd)
+
+
+def read_toml(
+    path: Path, limit: int, error: Callable[[str], Exception], *, secret: bool
+) -> dict[str, Any]:
+    """The TOML document of a file only its owner may change (nor read, if `secret`).
+
+    The agent's own files of secrets and grants: at most `limit` bytes of UTF-8 TOML,
+    whose mode lets group and others write nothing (and read nothing, if `secret`).
+    Anything else raises `error(message)`, naming the file and what is wrong.
+    """
+    try:
+        data, mode = read_with_mode(path, limit)
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror}") from None
+    if secret and mode & 0o077:
+        raise error(f"{path} may be read by group or others (mode {mode:04o}); it must be 0600")
+    if mode & 0o022:
+        raise error(f"{path} may be written by group or others (mode {mode:04o})")
+    if len(data) > limit:
+        raise error(f"{path}: larger than {limit} bytes")
+    try:
+        return tomltext.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise error(f"{path}: not UTF-8 text") from None
+    except tomltext.TomlError as exc:
+        raise error(f"{path}: {exc}") from None

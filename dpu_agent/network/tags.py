@@ -25,9 +25,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from dpu_agent import tomltext
 from dpu_agent.config import ConfigError
-from dpu_agent.private_files import read_with_mode
+from dpu_agent.private_files import read_toml
 from dpu_wire import names
 
 if TYPE_CHECKING:
@@ -92,21 +91,7 @@ def from_config(config: AgentConfig) -> TenantTags:
 
 def load(path: Path) -> TenantTags:
     """Read a tenant tags file (the module docstring); ConfigError says what is wrong."""
-    try:
-        data, mode = read_with_mode(path, MAX_FILE_BYTES)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    if mode & 0o022:
-        raise ConfigError(f"{path} may be written by group or others (mode {mode:04o})")
-    if len(data) > MAX_FILE_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        doc = tomltext.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text") from None
-    except tomltext.TomlError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    return parse(doc, str(path))
+    return parse(read_toml(path, MAX_FILE_BYTES, ConfigError, secret=False), str(path))
 
 
 def parse(doc: Mapping[str, object], where: str) -> TenantTags:
