@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             _error(f"configuration error: {exc}")
             return 2
         print(f"# security: {security.description}")
-        print(f"# tenant tags: {len(granted.grants)} tenant(s) granted VLAN ids or VNIs")
+        untagged = sum(grant.untagged for grant in granted.grants.values())
+        print(
+            f"# tenant tags: {len(granted.grants)} tenant(s) granted VLAN ids or VNIs;"
+            f" {untagged} may send untagged to an uplink"
+        )
         return 0
     core_log.capture()  # gRPC core's lines (failed TLS handshakes) become our records
     faulthandler.enable(file=sys.stderr)  # the real stderr, not the capture pipe

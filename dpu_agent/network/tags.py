@@ -2,8 +2,9 @@
 
 A VLAN id or VXLAN VNI is a segment the operator gives to one tenant (or, on
 purpose, to several). Which tags a tenant's flow rules may push, pop, encapsulate,
-decapsulate and match is `dpu_agent.network.access`'s rule; this module reads the
-grants. The file is TOML, one table per tenant, ids alone or as "low-high" ranges:
+decapsulate and match, and what they may send to an uplink, is
+`dpu_agent.network.access`'s rule; this module reads the grants. The file is TOML,
+one table per tenant, ids alone or as "low-high" ranges:
 
     [tenant.tenant-a]
     vlans = [100, "200-299"]      # 802.1Q VLAN ids, 1..4094
@@ -11,6 +12,13 @@ grants. The file is TOML, one table per tenant, ids alone or as "low-high" range
 
     [tenant.tenant-b]
     vlans = [300]
+    untagged = true               # may send frames to an uplink in no granted VLAN
+
+`untagged` (default false) lets the tenant's rules forward and mirror to an uplink
+(`p0`, `p1`) frames they do not put in one of its VLANs: untagged, or as the function
+tagged them. Without it such a rule must push a granted VLAN id, or match one and
+keep it. It is for an uplink one tenant has to itself, or whose tenants the operator
+trusts (or keeps apart by the functions' own VLANs, which only an admin sets).
 
 A tenant not listed, and every tenant when no file is set, is granted nothing. The
 admin role needs no grant. The file is read when the agent starts (and by
@@ -38,6 +46,7 @@ MAX_FILE_BYTES: Final = 1 << 20
 MAX_ITEMS: Final = 1024  # entries in one vlans or vnis list (ranges make this plenty)
 #: key -> (lowest, highest) id a grant may name, both included.
 BOUNDS: Final = {"vlans": (1, 4094), "vnis": (0, (1 << 24) - 1)}
+KEYS: Final = (*BOUNDS, "untagged")  # the keys of a tenant's table
 _RANGE: Final = re.compile(r"\s*([0-9]{1,10})\s*(?:-\s*([0-9]{1,10})\s*)?")
 
 
@@ -59,10 +68,11 @@ class Ranges:
 
 @dataclasses.dataclass(frozen=True)
 class TagGrant:
-    """The VLAN ids and VNIs of one tenant."""
+    """The VLAN ids and VNIs of one tenant, and whether it may send untagged to an uplink."""
 
     vlans: Ranges = Ranges()
     vnis: Ranges = Ranges()
+    untagged: bool = False
 
 
 NOTHING: Final = TagGrant()
@@ -110,13 +120,17 @@ def parse(doc: Mapping[str, object], where: str) -> TenantTags:
         except names.InvalidNameError as exc:
             raise ConfigError(f"{at}: {exc}") from None
         if not isinstance(entry, dict):
-            raise ConfigError(f"{at}: must be a table (vlans, vnis)")
-        unknown = set(entry) - set(BOUNDS)
+            raise ConfigError(f"{at}: must be a table ({', '.join(KEYS)})")
+        unknown = set(entry) - set(KEYS)
         if unknown:
-            raise ConfigError(f"{at}: unknown key {min(unknown)!r} (expected vlans, vnis)")
+            raise ConfigError(f"{at}: unknown key {min(unknown)!r} (expected {', '.join(KEYS)})")
+        untagged = entry.get("untagged", False)
+        if not isinstance(untagged, bool):
+            raise ConfigError(f"{at}.untagged: expected true or false, got {untagged!r}")
         grants[tenant] = TagGrant(
             vlans=_ranges(entry.get("vlans", []), f"{at}.vlans", BOUNDS["vlans"]),
             vnis=_ranges(entry.get("vnis", []), f"{at}.vnis", BOUNDS["vnis"]),
+            untagged=untagged,
         )
     return TenantTags(grants)
 

@@ -49,6 +49,16 @@ def test_a_tags_file_grants_ids_and_ranges(tmp_path):
     assert 4094 in granted.of("tenant-b").vlans
     assert str(granted.of("tenant-b").vnis) == "none"
     assert granted.of("tenant-c") == tags.TagGrant()  # not listed: nothing
+    assert not a.untagged  # by default a tenant sends to the uplinks only in its VLANs
+
+
+def test_a_tenant_may_be_granted_untagged_uplink_traffic(tmp_path):
+    granted = tags.load(
+        write(tmp_path, "[tenant.solo]\nuntagged = true\n[tenant.b]\nuntagged = false\n")
+    )
+    assert granted.of("solo") == tags.TagGrant(untagged=True)  # no VLAN id or VNI with it
+    assert not granted.of("b").untagged
+    assert not granted.of("other").untagged
 
 
 @pytest.mark.parametrize(
@@ -68,7 +78,15 @@ def test_a_tags_file_grants_ids_and_ranges(tmp_path):
         ("[tenant.a]\nvnis = [16777216]\n", r"vnis\[0\]: 16777216 is not .* in 0\.\.16777215"),
         ('[tenant.a]\nvnis = ["99999999999"]\n', r"vnis\[0\]: '99999999999' is not an id"),
         ('[tenant.a]\nvlans = "100"\n', r"tenant\.a\.vlans: expected a list"),
-        ("[tenant.a]\nvlan = [100]\n", r"tenant\.a: unknown key 'vlan' \(expected vlans, vnis\)"),
+        (
+            "[tenant.a]\nvlan = [100]\n",
+            r"tenant\.a: unknown key 'vlan' \(expected vlans, vnis, untagged\)",
+        ),
+        (
+            '[tenant.a]\nuntagged = "yes"\n',
+            r"tenant\.a\.untagged: expected true or false, got 'yes'",
+        ),
+        ("[tenant.a]\nuntagged = 1\n", r"tenant\.a\.untagged: expected true or false, got 1"),
         ("[tenants.a]\nvlans = [100]\n", r"unknown key 'tenants' \(expected \[tenant\.<name>\]\)"),
         ("tenant = 5\n", r"tenant must be a table"),
         ("[tenant]\na = 5\n", r"tenant\.a: must be a table"),
@@ -118,7 +136,7 @@ def test_check_config_reads_the_tags_file_as_the_agent_would(tmp_path):
     write(tmp_path, GOOD)
     done = check_config()
     assert done.returncode == 0, done.stderr
-    assert "# tenant tags: 2 tenant(s) granted VLAN ids or VNIs" in done.stdout
+    assert "# tenant tags: 2 tenant(s) granted VLAN ids or VNIs; 0 may send untagged" in done.stdout
     write(tmp_path, '[tenant.a]\nvlans = ["5000"]\n')
     done = check_config()
     assert done.returncode == 2
