@@ -1,10 +1,12 @@
-"""What a caller may name in a flow rule: ports and VLAN ids and VNIs.
+"""What a caller may name in a flow rule: ports, priorities, VLAN ids and VNIs.
 
-Ports: its functions' representors and shared ports; tags: those granted to its tenant.
+Ports: its functions' representors and shared ports; priorities: `TENANT_MIN_PRIORITY`
+and up; tags: those granted to its tenant.
 
 `check_rule_access` is the one check the network service makes of every rule a
 caller creates or changes (CreateFlowRule, UpdateFlowRule, ApplyFlowRules), before
-the flow table checks the rule itself: the ports, then the tags.
+the flow table checks the rule itself: the ports, the priority, then the tags. The
+admin role passes all but the first (any managed port) unchecked.
 
 Ports
 -----
@@ -31,6 +33,44 @@ managed port.
 NOT_FOUND always says "ports/{name} does not exist", so another tenant's port cannot
 be told from a missing one. The admin role may name any managed port.
 
+Priorities
+----------
+
+tc runs a port's rules in priority order (lower first), and the first that decides a
+frame's fate (forward, drop) ends it. An admin's rule on a tenant's representor (a
+rate limit, a drop, the VLAN push that puts the function in its segment) must come
+before the tenant's own rules there, or a tenant's rule of a lower number takes the
+frames first. So the lowest priorities are the admin role's:
+
+| caller         | priority                                                     |
+|----------------|--------------------------------------------------------------|
+| the admin role | 1..65535                                                     |
+| any other      | `TENANT_MIN_PRIORITY` (1000)..65535; 1..999 PERMISSION_DENIED |
+
+PERMISSION_DENIED, not INVALID_ARGUMENT: the same rule is valid from an admin; what
+is wrong is who asks, as for an uplink as ingress port. A priority outside 1..65535
+is INVALID_ARGUMENT for anyone (`validate`). A constant, not a setting: clients (and
+dpuctl's help) can then state the band for every agent.
+
+In the kernel, consecutive rules with the same mask share one tc pref (`layout`), so
+an admin's rule and a tenant's may share one. That cannot put the tenant's first:
+prefs follow priorities (each run of rules takes a pref above the earlier runs'), and
+in one pref every filter has the same mask and a key of its own, so at most one of
+them matches a frame (a rule repeating an earlier key starts a new pref). The first
+rule to match a frame is the lowest-numbered one, whoever owns it
+(`tests/unit/test_flow_layout.py` checks this against a model of the kernel).
+
+What the band does not order:
+
+- rules in different datapaths. The eswitch holds only offloaded rules, so an
+  admin's rule that is not in hardware (offload `software`, or one the driver
+  refused) does not come before a tenant's rule that is. An admin rule meant to bind
+  tenants must be in hardware where there is hardware (offload `hardware`, or `any`
+  with in_hardware);
+- an admin's rule at 1000 or above: it is ordered among the tenants' by its number;
+- rules saved before the band: they keep their priorities; changing such a tenant
+  rule (UpdateFlowRule, ApplyFlowRules) must move it to 1000 or above.
+
 Tags
 ----
 
@@ -50,8 +90,8 @@ give: `[network] tenant_tags_file` grants each tenant VLAN ids and VNIs
 
 Else PERMISSION_DENIED naming the tag (or the missing match). Why each row:
 
-- push, encap: the frame enters that segment wherever it is sent next (an uplink
-  forward is allowed to anyone); an ungranted tag is another tenant's segment.
+- push, encap: the frame enters that segment wherever it is sent next; an ungranted
+  tag is another tenant's segment.
 - pop, decap: removing a tag takes frames out of a segment. On its own representor
   the frames are the tenant's, but the tag may be the one the operator put its
   function in (the function's `vlan_id` is the admin's to set; on BlueField that tag
@@ -68,13 +108,13 @@ Else PERMISSION_DENIED naming the tag (or the missing match). Why each row:
 
 Frames a function sends already tagged (the guest's own 802.1Q tag) and a rule
 forwards unchanged are kept in their segment by the function's own VLAN (`vlan_id`,
-admin-only; on BlueField an admin's rule on the representor), not by this check: a
-rule that names no tag is checked by its ports alone.
+admin-only; on BlueField an admin's rule on the representor, which the priority band
+puts first), not by this check: a rule that names no tag is checked by its ports alone.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from dpu_agent.auth import ADMIN_ROLE
 from dpu_agent.errors import NotFound, PermissionDenied
@@ -88,6 +128,7 @@ from dpu_agent.network.model import (
     VxlanEncap,
     port_kind,
 )
+from dpu_agent.network.validate import check_range
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterator, Mapping
@@ -96,6 +137,10 @@ if TYPE_CHECKING:
     from dpu_agent.auth import Principal
     from dpu_agent.network.model import FlowRule
     from dpu_agent.network.tags import TenantTags
+
+#: Priorities below this are the admin role's: a rule of a caller without it takes
+#: this or a higher number, so an admin's rule at a lower one comes first on its port.
+TENANT_MIN_PRIORITY: Final = 1000
 
 
 class PortOwners(Protocol):
@@ -123,11 +168,13 @@ def check_rule_access(
     owners: Mapping[str, str] | None,
     tags: TenantTags,
 ) -> None:
-    """Raise NotFound or PermissionDenied unless `principal` may name the rule's ports and tags.
+    """Raise NotFound or PermissionDenied unless `principal` may make the rule (module doc).
 
-    `owners` as for `check_rule_ports`; `tags` are the tenants' granted VLAN ids and VNIs.
+    Its ports, its priority and its tags. `owners` as for
+    `check_rule_ports`; `tags` are the tenants' grants.
     """
     check_rule_ports(rule, principal, managed, owners)
+    check_rule_priority(rule, principal)
     check_rule_tags(rule, principal, tags)
 
 
@@ -157,6 +204,21 @@ def check_rule_ports(
             raise _missing(port)
         if kind is PortKind.UPLINK and ingress:
             raise PermissionDenied(f"a rule on uplink port {port} needs the {ADMIN_ROLE} role")
+
+
+def check_rule_priority(rule: FlowRule, principal: Principal) -> None:
+    """Raise PermissionDenied if `principal` is no admin and the priority is an admin's.
+
+    InvalidArgument, for anyone, if it is not a priority at all (`validate`).
+    """
+    check_range(rule.priority, "priority")
+    if principal.admin or rule.priority >= TENANT_MIN_PRIORITY:
+        return
+    raise PermissionDenied(
+        f"priority {rule.priority}: 1..{TENANT_MIN_PRIORITY - 1} are the {ADMIN_ROLE} role's"
+        f" (its rules there come before any tenant's on the port); use"
+        f" {TENANT_MIN_PRIORITY}..65535"
+    )
 
 
 def check_rule_tags(rule: FlowRule, principal: Principal, tags: TenantTags) -> None:

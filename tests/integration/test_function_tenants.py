@@ -96,7 +96,7 @@ async def test_a_tenant_sees_and_touches_only_its_own_functions(setup):
         await b.delete_function("functions/b-fn")
 
 
-def rule(port, *actions, priority=10):
+def rule(port, *actions, priority=1010):  # a tenant's rules: 1000 and up
     return network_pb2.FlowRule(
         priority=priority, ingress_port=f"ports/{port}", actions=list(actions)
     )
@@ -156,7 +156,7 @@ async def test_only_a_functions_tenant_may_name_its_representor_in_a_flow_rule(s
 
         # A's delete is refused only by rules on its port, and names only A's own
         await admin.create_flow_rule("ops-watch", rule(a_rep, mirror(b_rep), priority=5))
-        await a.create_flow_rule("a-own", rule(a_rep, forward("p0"), priority=7))
+        await a.create_flow_rule("a-own", rule(a_rep, forward("p0"), priority=1007))
         with pytest.raises(host_client.FailedPreconditionError) as refused:
             await a.delete_function("functions/a-vf")
         assert "a-own" in refused.value.message
@@ -235,8 +235,8 @@ async def test_a_tenant_pushes_only_the_tags_granted_to_it(setup):
         port = made.representor_port.removeprefix("ports/")
         for rule_id, attempt, tag in (
             ("inj-vlan", rule(port, push(100), forward("p0")), "VLAN 100"),
-            ("inj-vni", rule(port, encap(5000), forward("p0"), priority=11), "VNI 5000"),
-            ("inj-plain", rule(port, push(1), forward("p0"), priority=12), "VLAN 1"),
+            ("inj-vni", rule(port, encap(5000), forward("p0"), priority=1011), "VNI 5000"),
+            ("inj-plain", rule(port, push(1), forward("p0"), priority=1012), "VLAN 1"),
         ):
             with pytest.raises(host_client.PermissionDeniedError) as denied:
                 await a.create_flow_rule(rule_id, attempt)
@@ -244,7 +244,7 @@ async def test_a_tenant_pushes_only_the_tags_granted_to_it(setup):
         assert await ops.list_flow_rules() == []  # nothing was created
         own = await a.create_flow_rule("a-vlan", rule(port, push(250), forward("p0")))
         assert own.actions[0].vlan_push.vlan_id == 250  # its own segment: fine
-        await a.create_flow_rule("a-vni", rule(port, encap(7000), forward("p0"), priority=11))
+        await a.create_flow_rule("a-vni", rule(port, encap(7000), forward("p0"), priority=1011))
 
         update = network_pb2.UpdateFlowRuleRequest(
             flow_rule=network_pb2.FlowRule(name=own.name, actions=[push(100), forward("p0")]),
@@ -256,9 +256,9 @@ async def test_a_tenant_pushes_only_the_tags_granted_to_it(setup):
         assert "VLAN 100 is not granted" in (changed.value.details() or "")
         assert (await a.get_flow_rule(own.name)).actions[0].vlan_push.vlan_id == 250
 
-        good = rule(port, push(299), forward("p0"), priority=20)
+        good = rule(port, push(299), forward("p0"), priority=1020)
         good.name = "flowRules/a-bulk"
-        bad = rule(port, encap(5000), forward("p0"), priority=21)
+        bad = rule(port, encap(5000), forward("p0"), priority=1021)
         bad.name = "flowRules/a-bulk-bad"
         with pytest.raises(host_client.PermissionDeniedError, match="VNI 5000 is not granted"):
             await a.apply_flow_rules(creates=[good, bad])
@@ -276,3 +276,39 @@ async def test_a_tenant_pushes_only_the_tags_granted_to_it(setup):
         await b.delete_flow_rule("flowRules/b-vlan")
         await a.delete_function("functions/tags-a")
         await b.delete_function("functions/tags-b")
+
+
+def police(rate_bps):
+    limit = network_pb2.PoliceAction(rate_bps=rate_bps, burst_bytes=10_000)
+    return network_pb2.FlowAction(police=limit)
+
+
+async def test_a_tenants_rule_cannot_come_before_the_admins_on_its_port(setup):
+    """tc runs a port's rules lowest priority first: A's forward at 5 on its own
+    representor took its frames before the operator's rate limit at 10 there. Priorities
+    below 1000 are the admin's: a tenant's is PERMISSION_DENIED and creates nothing."""
+    async with client(setup, "tenant-a") as a, client(setup, "ops", admin=True) as ops:
+        made = await a.create_function("band-a", virtualization_pb2.Function(type=VF))
+        port = made.representor_port.removeprefix("ports/")
+        await ops.create_flow_rule("ops-limit", rule(port, police(10**7), priority=10))
+        for priority in (5, 999):
+            with pytest.raises(host_client.PermissionDeniedError) as denied:
+                await a.create_flow_rule(
+                    "a-first", rule(port, push(250), forward("p0"), priority=priority)
+                )
+            assert denied.value.message.startswith(
+                f"priority {priority}: 1..999 are the admin role's"
+            )
+        ahead = rule(port, push(250), forward("p0"), priority=5)
+        ahead.name = "flowRules/a-first"
+        with pytest.raises(host_client.PermissionDeniedError, match="priority 5: "):
+            await a.apply_flow_rules(creates=[ahead])
+        assert [r.name for r in await ops.list_flow_rules()] == ["flowRules/ops-limit"]
+        after = await a.create_flow_rule(
+            "a-after", rule(port, push(250), forward("p0"), priority=1000)
+        )
+        assert after.priority == 1000
+        await ops.create_flow_rule("ops-drop", rule(port, DROP, priority=999))  # the admin's
+        for name in ("flowRules/a-after", "flowRules/ops-limit", "flowRules/ops-drop"):
+            await ops.delete_flow_rule(name)
+        await a.delete_function("functions/band-a")

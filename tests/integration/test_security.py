@@ -304,7 +304,7 @@ async def test_a_job_names_only_its_own_sessions_regions_and_volumes(tls_agent, 
 # ------------------------------------------------------------------ flow rules and ports
 
 
-def forward_rule(port="pf0vf0", to="pf0vf1", priority=10):
+def forward_rule(port="pf0vf0", to="pf0vf1", priority=1010):  # tenants: 1000 and up
     return network_pb2.FlowRule(
         priority=priority,
         ingress_port=f"ports/{port}",
@@ -319,12 +319,12 @@ async def test_a_tenant_cannot_touch_another_tenants_flow_rules(tls_agent, pki):
         tenant(tls_agent, pki, "tenant-b") as b,
         tenant(tls_agent, pki, "ops", admin=True) as admin,
     ):
-        made = await a.create_flow_rule("a-rule", forward_rule(priority=20))
+        made = await a.create_flow_rule("a-rule", forward_rule(priority=1020))
         assert made.tenant == "tenant-a"
         await b.create_flow_rule("b-rule", forward_rule(port="pf0vf1", to="pf0vf0"))
         net = b.stubs.network
         update = network_pb2.UpdateFlowRuleRequest(
-            flow_rule=network_pb2.FlowRule(name="flowRules/a-rule", priority=30)
+            flow_rule=network_pb2.FlowRule(name="flowRules/a-rule", priority=1030)
         )
         for method, request in (
             (net.GetFlowRule, network_pb2.GetFlowRuleRequest(name="flowRules/a-rule")),
@@ -344,9 +344,9 @@ async def test_a_tenant_cannot_touch_another_tenants_flow_rules(tls_agent, pki):
         assert [r.name for r in await b.list_flow_rules()] == ["flowRules/b-rule"]
         # the same port and priority as A's rule: refused without naming A's rule
         with pytest.raises(host_client.AlreadyExistsError) as taken:
-            await b.create_flow_rule("b-clash", forward_rule(priority=20))
+            await b.create_flow_rule("b-clash", forward_rule(priority=1020))
         assert "a-rule" not in taken.value.message
-        assert (await a.get_flow_rule("flowRules/a-rule")).priority == 20
+        assert (await a.get_flow_rule("flowRules/a-rule")).priority == 1020
         everything = {r.name: r.tenant for r in await admin.list_flow_rules()}
         assert everything == {"flowRules/a-rule": "tenant-a", "flowRules/b-rule": "tenant-b"}
 
@@ -537,9 +537,9 @@ async def test_function_quota_is_per_tenant(function_quota_agent, pki):
 @pytest.mark.asyncio
 async def test_flow_rule_quota(quota_agent, pki):
     async with tenant(quota_agent, pki, "tenant-a") as a:
-        await a.create_flow_rule("fq-1", forward_rule(priority=40))
+        await a.create_flow_rule("fq-1", forward_rule(priority=1040))
         with pytest.raises(host_client.ResourceExhaustedError, match=r"quota\.max_flow_rules"):
-            await a.create_flow_rule("fq-2", forward_rule(priority=41))
+            await a.create_flow_rule("fq-2", forward_rule(priority=1041))
 
 
 # ------------------------------------------------------------------ tokens on loopback

@@ -76,7 +76,7 @@ def assert_b_keeps_x(table: FlowTable) -> None:
 
 
 def _update_of_x() -> network_pb2.FlowRule:
-    update = network_pb2.FlowRule(name="flowRules/x", ingress_port="ports/pf0vf0", priority=2)
+    update = network_pb2.FlowRule(name="flowRules/x", ingress_port="ports/pf0vf0", priority=1002)
     update.actions.add().count.SetInParent()
     return update
 

@@ -79,7 +79,7 @@ def test_a_representor_port_names_its_function(table: FlowTable, tmp_path: Path)
 def test_a_flow_rule_carries_no_times_as_documented(table: FlowTable) -> None:
     """network.proto: FlowRule.times is not set (the agent keeps no times of rules)."""
     service = NetworkService(table)
-    rule = network_pb2.FlowRule(ingress_port="ports/pf0vf0", priority=1)
+    rule = network_pb2.FlowRule(ingress_port="ports/pf0vf0", priority=1000)
     rule.actions.add().count.SetInParent()
     create = network_pb2.CreateFlowRuleRequest(flow_rule_id="r1", flow_rule=rule)
     made = call(A, lambda: service.CreateFlowRule(create, CONTEXT))
@@ -100,7 +100,7 @@ def test_an_update_without_a_mask_may_not_move_the_rule(table: FlowTable) -> Non
     """No mask replaces the rule (AIP-134); its ingress port cannot change, so it is refused."""
     service = NetworkService(table)
     create = network_pb2.CreateFlowRuleRequest(
-        flow_rule_id="r1", flow_rule=count_rule("", "ports/pf0vf0", 10)
+        flow_rule_id="r1", flow_rule=count_rule("", "ports/pf0vf0", 1010)
     )
     call(A, lambda: service.CreateFlowRule(create, CONTEXT))
 
@@ -111,16 +111,16 @@ def test_an_update_without_a_mask_may_not_move_the_rule(table: FlowTable) -> Non
         return call(principal, lambda: service.UpdateFlowRule(request, CONTEXT))
 
     with pytest.raises(InvalidArgument, match="ingress port of flowRules/r1 cannot change"):
-        update(A, "ports/pf0vf1", 11)
+        update(A, "ports/pf0vf1", 1011)
     with pytest.raises(NotFound, match=r"^flowRules/r1 does not exist$"):  # not a hint
-        update(B, "ports/pf0vf1", 11)
-    assert [(r.ingress_port, r.priority) for r in table.rules()] == [("pf0vf0", 10)]
-    assert update(A, "ports/pf0vf0", 11).ingress_port == "ports/pf0vf0"  # the same port
-    assert update(A, "", 12).ingress_port == "ports/pf0vf0"  # none given: kept
-    assert [(r.ingress_port, r.priority) for r in table.rules()] == [("pf0vf0", 12)]
+        update(B, "ports/pf0vf1", 1011)
+    assert [(r.ingress_port, r.priority) for r in table.rules()] == [("pf0vf0", 1010)]
+    assert update(A, "ports/pf0vf0", 1011).ingress_port == "ports/pf0vf0"  # the same port
+    assert update(A, "", 1012).ingress_port == "ports/pf0vf0"  # none given: kept
+    assert [(r.ingress_port, r.priority) for r in table.rules()] == [("pf0vf0", 1012)]
 
 
-def push_rule(name: str, vlan_id: int, priority: int = 10) -> network_pb2.FlowRule:
+def push_rule(name: str, vlan_id: int, priority: int = 1010) -> network_pb2.FlowRule:
     rule = network_pb2.FlowRule(name=name, ingress_port="ports/pf0vf0", priority=priority)
     rule.actions.add().vlan_push.vlan_id = vlan_id
     rule.actions.add().forward.port = "ports/p0"
@@ -140,7 +140,7 @@ def test_every_call_that_takes_a_rule_checks_its_tags(table: FlowTable, tmp_path
     with pytest.raises(PermissionDenied, match="VLAN 100 is not granted to tenant 'tenant-a'"):
         call(A, lambda: service.CreateFlowRule(create, CONTEXT))
     bulk = network_pb2.ApplyFlowRulesRequest(
-        creates=[count_rule("flowRules/ok", "ports/pf0vf0", 1), push_rule("flowRules/r2", 100)]
+        creates=[count_rule("flowRules/ok", "ports/pf0vf0", 1001), push_rule("flowRules/r2", 100)]
     )
     with pytest.raises(PermissionDenied, match="VLAN 100 is not granted"):
         call(A, lambda: service.ApplyFlowRules(bulk, CONTEXT))
@@ -148,13 +148,13 @@ def test_every_call_that_takes_a_rule_checks_its_tags(table: FlowTable, tmp_path
     call(ADMIN, lambda: service.CreateFlowRule(create, CONTEXT))  # the admin: any tag
     assert [r.rule_id for r in table.rules()] == ["r1"]
     mine = network_pb2.CreateFlowRuleRequest(
-        flow_rule_id="a1", flow_rule=count_rule("", "ports/pf0vf0", 5)
+        flow_rule_id="a1", flow_rule=count_rule("", "ports/pf0vf0", 1005)
     )
     call(A, lambda: service.CreateFlowRule(mine, CONTEXT))
-    update = network_pb2.UpdateFlowRuleRequest(flow_rule=push_rule("flowRules/a1", 100, 5))
+    update = network_pb2.UpdateFlowRuleRequest(flow_rule=push_rule("flowRules/a1", 100, 1005))
     with pytest.raises(PermissionDenied, match="VLAN 100 is not granted"):
         call(A, lambda: service.UpdateFlowRule(update, CONTEXT))
-    bulk_update = network_pb2.ApplyFlowRulesRequest(updates=[push_rule("flowRules/a1", 100, 5)])
+    bulk_update = network_pb2.ApplyFlowRulesRequest(updates=[push_rule("flowRules/a1", 100, 1005)])
     with pytest.raises(PermissionDenied, match="VLAN 100 is not granted"):
         call(A, lambda: service.ApplyFlowRules(bulk_update, CONTEXT))
     assert table.get("a1").actions == (model.Count(),)  # unchanged
@@ -177,6 +177,61 @@ def test_a_granted_tag_is_the_tenants_to_push(table: FlowTable, tmp_path: Path) 
         call(A, lambda: service.UpdateFlowRule(update, CONTEXT))
     update = network_pb2.UpdateFlowRuleRequest(flow_rule=push_rule("flowRules/r1", 299))
     call(A, lambda: service.UpdateFlowRule(update, CONTEXT))
-    bulk = network_pb2.ApplyFlowRulesRequest(creates=[push_rule("flowRules/r2", 200, 11)])
+    bulk = network_pb2.ApplyFlowRulesRequest(creates=[push_rule("flowRules/r2", 200, 1011)])
     call(A, lambda: service.ApplyFlowRules(bulk, CONTEXT))
     assert [r.rule_id for r in table.rules()] == ["r1", "r2"]
+
+
+def test_every_call_that_takes_a_rule_keeps_a_tenant_out_of_the_admins_priorities(
+    table: FlowTable,
+) -> None:
+    """An admin's rate limit at priority 10 on a tenant's representor was bypassed by the
+    tenant's forward at 5. Create, update and bulk apply refuse a tenant's priority below
+    1000 and change nothing; the admin's is accepted."""
+    service = NetworkService(table)
+    police = network_pb2.FlowRule(ingress_port="ports/pf0vf0", priority=10)
+    police.actions.add().police.rate_bps = 10**6
+    police.actions[0].police.burst_bytes = 10_000
+    made = network_pb2.CreateFlowRuleRequest(flow_rule_id="ops-limit", flow_rule=police)
+    call(ADMIN, lambda: service.CreateFlowRule(made, CONTEXT))  # the admin's band
+    under = network_pb2.CreateFlowRuleRequest(
+        flow_rule_id="a1", flow_rule=count_rule("", "ports/pf0vf0", 5)
+    )
+    with pytest.raises(PermissionDenied, match=r"^priority 5: 1\.\.999 are the admin role's"):
+        call(A, lambda: service.CreateFlowRule(under, CONTEXT))
+    bulk = network_pb2.ApplyFlowRulesRequest(
+        creates=[
+            count_rule("flowRules/ok", "ports/pf0vf0", 1001),
+            count_rule("flowRules/a2", "ports/pf0vf0", 999),
+        ]
+    )
+    with pytest.raises(PermissionDenied, match="priority 999: "):
+        call(A, lambda: service.ApplyFlowRules(bulk, CONTEXT))
+    assert [r.rule_id for r in table.rules()] == ["ops-limit"]
+    mine = network_pb2.CreateFlowRuleRequest(
+        flow_rule_id="a1", flow_rule=count_rule("", "ports/pf0vf0", 1000)
+    )
+    call(A, lambda: service.CreateFlowRule(mine, CONTEXT))
+    update = network_pb2.UpdateFlowRuleRequest(flow_rule=count_rule("flowRules/a1", "", 9))
+    with pytest.raises(PermissionDenied, match="priority 9: "):
+        call(A, lambda: service.UpdateFlowRule(update, CONTEXT))
+    bulk_update = network_pb2.ApplyFlowRulesRequest(
+        updates=[count_rule("flowRules/a1", "ports/pf0vf0", 9)]
+    )
+    with pytest.raises(PermissionDenied, match="priority 9: "):
+        call(A, lambda: service.ApplyFlowRules(bulk_update, CONTEXT))
+    assert table.get("a1").priority == 1000  # unchanged
+
+
+def test_a_tenants_rule_saved_below_the_band_moves_into_it_when_changed(table: FlowTable) -> None:
+    """A rule saved before the band keeps its priority; a change must move it up."""
+    table.create(
+        model.FlowRule("old", 5, "pf0vf0", model.FlowMatch(), (model.Drop(),), tenant="tenant-a")
+    )
+    service = NetworkService(table)
+    keep = network_pb2.UpdateFlowRuleRequest(flow_rule=count_rule("flowRules/old", "", 5))
+    keep.update_mask.paths.append("actions")  # the priority stays 5
+    with pytest.raises(PermissionDenied, match="priority 5: "):
+        call(A, lambda: service.UpdateFlowRule(keep, CONTEXT))
+    move = network_pb2.UpdateFlowRuleRequest(flow_rule=count_rule("flowRules/old", "", 1005))
+    assert call(A, lambda: service.UpdateFlowRule(move, CONTEXT)).priority == 1005

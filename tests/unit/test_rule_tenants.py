@@ -6,9 +6,15 @@ import json
 import pytest
 
 from dpu_agent.auth import Principal
-from dpu_agent.errors import AlreadyExists, FailedPrecondition, NotFound, PermissionDenied
-from dpu_agent.network import model
-from dpu_agent.network.access import check_rule_ports
+from dpu_agent.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
+from dpu_agent.network import model, tags
+from dpu_agent.network.access import check_rule_access, check_rule_ports
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
@@ -100,6 +106,54 @@ def test_who_may_name_which_port(principal, rule, owners, refused):
         with pytest.raises(NotFound) as info:
             check_rule_ports(rule, principal, MANAGED, owners)
         assert str(info.value) == f"{refused} does not exist"
+
+
+# ------------------------------------------------------------------ whose priorities
+
+
+def at(priority, principal=A, port="pf0vf0"):
+    return model.FlowRule(
+        "r", priority, port, model.FlowMatch(), (model.Drop(),), tenant=principal.tenant
+    )
+
+
+@pytest.mark.parametrize(
+    ("principal", "priority", "refused"),
+    [
+        (A, 1, PermissionDenied),  # before the admin's rules on its port: refused
+        (A, 999, PermissionDenied),
+        (A, 1000, None),  # the tenants' band
+        (A, 65535, None),
+        (ADMIN, 1, None),  # the admin's band
+        (ADMIN, 999, None),
+        (ADMIN, 1000, None),
+        (A, 0, InvalidArgument),  # not a priority, for anyone
+        (ADMIN, 0, InvalidArgument),
+        (A, 65536, InvalidArgument),
+    ],
+)
+def test_priorities_below_the_band_are_the_admins(principal, priority, refused):
+    """A tenant's rule with a lower number than an admin's on its port ran first: its
+    forward or drop bypassed the admin's rate limit, drop or VLAN push there."""
+    rule = at(priority, principal)
+    if refused is None:
+        check_rule_access(rule, principal, MANAGED, OWNERS, tags.TenantTags())
+    elif refused is PermissionDenied:
+        with pytest.raises(PermissionDenied) as denied:
+            check_rule_access(rule, principal, MANAGED, OWNERS, tags.TenantTags())
+        assert str(denied.value) == (
+            f"priority {priority}: 1..999 are the admin role's (its rules there come before"
+            " any tenant's on the port); use 1000..65535"
+        )
+    else:
+        with pytest.raises(InvalidArgument, match=r"priority must be 1\.\.65535"):
+            check_rule_access(rule, principal, MANAGED, OWNERS, tags.TenantTags())
+
+
+def test_the_port_is_checked_before_the_priority():
+    """Another tenant's port answers NOT_FOUND as a missing one, whatever the priority."""
+    with pytest.raises(NotFound, match=r"^ports/pf0vf1 does not exist$"):
+        check_rule_access(at(5, A, "pf0vf1"), A, MANAGED, OWNERS, tags.TenantTags())
 
 
 def test_a_delete_refusal_names_only_the_functions_own_tenants_rules(tmp_path):

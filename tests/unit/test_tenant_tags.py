@@ -160,7 +160,7 @@ IP = ipaddress.ip_address
 def tagged(port="pf0vf0", *actions, vlan=None, vni=None):
     return model.FlowRule(
         "r",
-        10,
+        1000,  # a tenant's rule: in the tenants' band
         port,
         model.FlowMatch(vlan_id=vlan, vxlan_vni=vni),
         (*actions, model.Forward("p0")),
