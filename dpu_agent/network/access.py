@@ -1,12 +1,13 @@
-"""What a caller may name in a flow rule: ports, priorities, VLAN ids and VNIs.
+"""What a caller may name in a flow rule: ports, priorities, VLAN ids and VNIs, uplinks.
 
 Ports: its functions' representors and shared ports; priorities: `TENANT_MIN_PRIORITY`
-and up; tags: those granted to its tenant.
+and up; tags: those granted to its tenant; to an uplink: frames in one of its VLANs.
 
 `check_rule_access` is the one check the network service makes of every rule a
 caller creates or changes (CreateFlowRule, UpdateFlowRule, ApplyFlowRules), before
-the flow table checks the rule itself: the ports, the priority, then the tags. The
-admin role passes all but the first (any managed port) unchecked.
+the flow table checks the rule itself: the ports, the priority, the tags, then what
+the rule sends to an uplink. The admin role passes all but the first (any managed
+port) unchecked.
 
 Ports
 -----
@@ -106,10 +107,42 @@ Else PERMISSION_DENIED naming the tag (or the missing match). Why each row:
   and tenants are not kept apart by port (*); representors then follow the
   own-representor rows.
 
-Frames a function sends already tagged (the guest's own 802.1Q tag) and a rule
-forwards unchanged are kept in their segment by the function's own VLAN (`vlan_id`,
-admin-only; on BlueField an admin's rule on the representor, which the priority band
-puts first), not by this check: a rule that names no tag is checked by its ports alone.
+To an uplink
+------------
+
+An uplink (`p0`, `p1`) is every tenant's, and what keeps their frames apart there is
+the frame's 802.1Q VLAN. So a rule of a caller without the admin role that forwards
+or mirrors to an uplink must put the frame in one of its tenant's VLANs on the way.
+The rule knows the frame's outer VLAN from `match.vlan_id`, then from its actions in
+order: `vlan_push` V makes it V, `vlan_pop` takes it away (what was under it is not
+known). Each forward or mirror to an uplink is checked with the frame as it is at
+that action (a mirror's copy leaves then; the actions after it do not change it):
+
+| the frame's outer VLAN at the forward or mirror     | needs                            |
+|-----------------------------------------------------|----------------------------------|
+| V, pushed before it (`vlan_push`)                   | V granted (as for any push)      |
+| V, matched (`match.vlan_id`) and not popped since   | V granted                        |
+| not known (**)                                      | `untagged = true` for the tenant |
+
+(**) the rule matches no VLAN id (the frame is untagged, or the function tagged it
+itself), matches 0 (a priority tag: no VLAN), or popped the tag it knew.
+`untagged` is the operator's, in the tags file (`dpu_agent.network.tags`; default
+false). Else PERMISSION_DENIED naming the action and what is missing. A VLAN matched
+but not granted is refused even with `untagged = true`: the rule names another
+tenant's segment.
+
+A VNI does not put a frame in a segment on an uplink. `vxlan_encap` sets tunnel
+metadata that only a VXLAN port (a host netdev) turns into an outer header; a frame
+forwarded from it straight to an uplink leaves as it is (tc-tunnel_key(8)). And a
+frame that matched `match.vxlan_vni` (on a VXLAN port) is already the inner frame,
+`vxlan_decap` or not. So encapsulating (or matching a VNI, or decapsulating) and then
+forwarding to an uplink needs a granted VLAN on the frame too (or `untagged`).
+Encapsulation proper forwards to the VXLAN port, which this check does not cover.
+
+Frames a rule sends to a port other than an uplink (the tenant's own representors, a
+host netdev such as a VXLAN port) are checked by the ports and tags alone. What the
+admin's rules do with a function's frames (its `vlan_id`; on BlueField an admin's rule
+on the representor) comes first: the priority band above.
 """
 
 from __future__ import annotations
@@ -136,11 +169,12 @@ if TYPE_CHECKING:
 
     from dpu_agent.auth import Principal
     from dpu_agent.network.model import FlowRule
-    from dpu_agent.network.tags import TenantTags
+    from dpu_agent.network.tags import TagGrant, TenantTags
 
 #: Priorities below this are the admin role's: a rule of a caller without it takes
 #: this or a higher number, so an admin's rule at a lower one comes first on its port.
 TENANT_MIN_PRIORITY: Final = 1000
+_TAGS_FILE: Final = "[network] tenant_tags_file"
 
 
 class PortOwners(Protocol):
@@ -170,12 +204,13 @@ def check_rule_access(
 ) -> None:
     """Raise NotFound or PermissionDenied unless `principal` may make the rule (module doc).
 
-    Its ports, its priority and its tags. `owners` as for
+    Its ports, its priority, its tags, and what it sends to an uplink. `owners` as for
     `check_rule_ports`; `tags` are the tenants' grants.
     """
     check_rule_ports(rule, principal, managed, owners)
     check_rule_priority(rule, principal)
     check_rule_tags(rule, principal, tags)
+    check_rule_uplinks(rule, principal, tags)
 
 
 def check_rule_ports(
@@ -268,6 +303,56 @@ def _tags_used(rule: FlowRule, tenant: str) -> Iterator[tuple[int, bool, str]]:
                     f" and it must be granted to tenant {tenant!r}"
                 )
             yield removed, vlan, f"{where}: {name}"
+
+
+def check_rule_uplinks(rule: FlowRule, principal: Principal, tags: TenantTags) -> None:
+    """Raise PermissionDenied unless every frame `rule` sends to an uplink is in a granted VLAN.
+
+    Or the tenant may send untagged to the uplinks. Admins: anything.
+    """
+    if principal.admin:
+        return
+    grant = tags.of(principal.tenant)
+    # the frame's VLAN tags the rule knows, outermost last (0 matched: a priority tag,
+    # no VLAN); what lies under the first is not known
+    known = [rule.match.vlan_id] if rule.match.vlan_id else []
+    popped: list[str] = []  # the actions that popped a known tag, for the message
+    for index, action in enumerate(rule.actions):
+        where = f"actions[{index}]"
+        if isinstance(action, VlanPush):
+            known.append(action.vlan_id)
+        elif isinstance(action, VlanPop):
+            if known:
+                popped.append(f"{where} popped VLAN {known.pop()}")
+        elif isinstance(action, Forward | Mirror) and port_kind(action.port) is PortKind.UPLINK:
+            vlan = known[-1] if known else None
+            refusal = _refusal(rule, vlan, popped, principal.tenant, grant)
+            if refusal is not None:
+                verb = "forward" if isinstance(action, Forward) else "mirror"
+                raise PermissionDenied(f"{where}: {verb} to uplink {action.port}: {refusal}")
+
+
+def _refusal(
+    rule: FlowRule, vlan: int | None, popped: list[str], tenant: str, grant: TagGrant
+) -> str | None:
+    """Why a frame in VLAN `vlan` (None: not known) may not go to an uplink; None if it may."""
+    if vlan is not None:
+        if vlan in grant.vlans:
+            return None
+        return (
+            f"the frame is in VLAN {vlan} (match.vlan_id), which is not granted to tenant"
+            f" {tenant!r}: it would enter another tenant's segment ({_TAGS_FILE})"
+        )
+    if grant.untagged:
+        return None
+    why = ", ".join(popped) if popped else "it matches no VLAN id and pushes none before it"
+    if any(isinstance(a, VxlanEncap) for a in rule.actions) or rule.match.vxlan_vni is not None:
+        why += "; a VNI does not tag a frame sent to an uplink: only a VXLAN port encapsulates"
+    return (
+        f"the frame is in no VLAN granted to tenant {tenant!r} ({why}): push one before"
+        " it (vlan_push), or match one (match.vlan_id) and keep it; sending untagged to"
+        f" the uplinks needs untagged = true for the tenant in {_TAGS_FILE}"
+    )
 
 
 def _missing(port: str) -> NotFound:

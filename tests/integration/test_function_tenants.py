@@ -15,7 +15,8 @@ VF = virtualization_pb2.FUNCTION_TYPE_VF
 NVME = virtualization_pb2.FUNCTION_TYPE_NVME
 
 
-# the operator's grants: A's segments are VLANs 200-299 and VNI 7000, B's VLAN 100, VNI 5000
+# the operator's grants: A's segments are VLANs 200-299 and VNI 7000, B's VLAN 100, VNI 5000;
+# C has the uplinks to itself (no tag, untagged traffic allowed)
 TENANT_TAGS = """
 [tenant.tenant-a]
 vlans = ["200-299"]
@@ -24,6 +25,9 @@ vnis = [7000]
 [tenant.tenant-b]
 vlans = [100]
 vnis = ["5000"]
+
+[tenant.tenant-c]
+untagged = true
 """
 
 
@@ -141,7 +145,7 @@ async def test_only_a_functions_tenant_may_name_its_representor_in_a_flow_rule(s
             await b.create_flow_rule("b-probe", rule("pf9vf9", forward(b_rep)))
         for what, message in refusals.items():  # as for a port that does not exist
             assert message == missing.value.message.replace("pf9vf9", "X"), what
-        b_own = await b.create_flow_rule("b-own", rule(b_rep, forward("p0")))  # its own: fine
+        b_own = await b.create_flow_rule("b-own", rule(b_rep, push(100), forward("p0")))  # its own
         update = network_pb2.UpdateFlowRuleRequest(
             flow_rule=network_pb2.FlowRule(name=b_own.name, actions=[mirror(a_rep)]),
             update_mask=field_mask_pb2.FieldMask(paths=["actions"]),
@@ -156,7 +160,7 @@ async def test_only_a_functions_tenant_may_name_its_representor_in_a_flow_rule(s
 
         # A's delete is refused only by rules on its port, and names only A's own
         await admin.create_flow_rule("ops-watch", rule(a_rep, mirror(b_rep), priority=5))
-        await a.create_flow_rule("a-own", rule(a_rep, forward("p0"), priority=1007))
+        await a.create_flow_rule("a-own", rule(a_rep, push(250), forward("p0"), priority=1007))
         with pytest.raises(host_client.FailedPreconditionError) as refused:
             await a.delete_function("functions/a-vf")
         assert "a-own" in refused.value.message
@@ -244,7 +248,10 @@ async def test_a_tenant_pushes_only_the_tags_granted_to_it(setup):
         assert await ops.list_flow_rules() == []  # nothing was created
         own = await a.create_flow_rule("a-vlan", rule(port, push(250), forward("p0")))
         assert own.actions[0].vlan_push.vlan_id == 250  # its own segment: fine
-        await a.create_flow_rule("a-vni", rule(port, encap(7000), forward("p0"), priority=1011))
+        # its VNI (sent to the uplink in its VLAN: a VNI alone does not tag the frame)
+        await a.create_flow_rule(
+            "a-vni", rule(port, push(250), encap(7000), forward("p0"), priority=1011)
+        )
 
         update = network_pb2.UpdateFlowRuleRequest(
             flow_rule=network_pb2.FlowRule(name=own.name, actions=[push(100), forward("p0")]),
@@ -312,3 +319,46 @@ async def test_a_tenants_rule_cannot_come_before_the_admins_on_its_port(setup):
         for name in ("flowRules/a-after", "flowRules/ops-limit", "flowRules/ops-drop"):
             await ops.delete_flow_rule(name)
         await a.delete_function("functions/band-a")
+
+
+async def test_a_tenants_frames_reach_the_uplink_only_in_its_own_segment(setup):
+    """A's rule forwarded its untagged frames to p0 (the uplink's native segment, every
+    tenant's), or frames its guest tagged 100 itself (B's VLAN). A rule that sends to an
+    uplink must push a granted VLAN id or match one and keep it, unless the operator
+    gave the tenant untagged = true; else PERMISSION_DENIED, and nothing is created."""
+    async with (
+        client(setup, "tenant-a") as a,
+        client(setup, "tenant-c") as c,
+        client(setup, "ops", admin=True) as ops,
+    ):
+        made = await a.create_function("up-a", virtualization_pb2.Function(type=VF))
+        port = made.representor_port.removeprefix("ports/")
+        guest_tagged = rule(port, forward("p0"), priority=1011)
+        guest_tagged.match.vlan_id = 100
+        for rule_id, attempt, refusal in (
+            ("untagged", rule(port, forward("p0")), "the frame is in no VLAN granted"),
+            ("copy", rule(port, mirror("p0")), "the frame is in no VLAN granted"),
+            ("b-segment", guest_tagged, "the frame is in VLAN 100 (match.vlan_id)"),
+            ("vni", rule(port, encap(7000), forward("p0")), "a VNI does not tag"),
+            ("late", rule(port, mirror("p0"), push(250), forward("p0")), "in no VLAN"),
+        ):
+            with pytest.raises(host_client.PermissionDeniedError) as denied:
+                await a.create_flow_rule(rule_id, attempt)
+            assert "uplink p0: " in denied.value.message
+            assert refusal in denied.value.message
+        assert await ops.list_flow_rules() == []  # nothing was created
+        pushed = await a.create_flow_rule("a-pushed", rule(port, push(250), forward("p0")))
+        assert [x.WhichOneof("action") for x in pushed.actions] == ["vlan_push", "forward"]
+        own_tagged = rule(port, mirror("p0"), priority=1011)
+        own_tagged.match.vlan_id = 250
+        await a.create_flow_rule("a-kept", own_tagged)  # its own VLAN, matched and kept
+
+        # C's grant: untagged uplink traffic
+        c_fn = await c.create_function("up-c", virtualization_pb2.Function(type=VF))
+        c_port = c_fn.representor_port.removeprefix("ports/")
+        plain = await c.create_flow_rule("c-plain", rule(c_port, forward("p0")))
+        assert plain.tenant == "tenant-c"
+        for name in ("flowRules/a-pushed", "flowRules/a-kept", "flowRules/c-plain"):
+            await ops.delete_flow_rule(name)
+        await a.delete_function("functions/up-a")
+        await c.delete_function("functions/up-c")

@@ -235,3 +235,62 @@ def test_a_tenants_rule_saved_below_the_band_moves_into_it_when_changed(table: F
         call(A, lambda: service.UpdateFlowRule(keep, CONTEXT))
     move = network_pb2.UpdateFlowRuleRequest(flow_rule=count_rule("flowRules/old", "", 1005))
     assert call(A, lambda: service.UpdateFlowRule(move, CONTEXT)).priority == 1005
+
+
+def forward_rule(
+    name: str, priority: int = 1010, vlan_id: int | None = None
+) -> network_pb2.FlowRule:
+    rule = network_pb2.FlowRule(name=name, ingress_port="ports/pf0vf0", priority=priority)
+    if vlan_id is not None:
+        rule.match.vlan_id = vlan_id
+    rule.actions.add().forward.port = "ports/p0"
+    return rule
+
+
+def test_every_call_that_takes_a_rule_keeps_a_tenants_frames_off_the_uplinks_untagged(
+    table: FlowTable, tmp_path: Path
+) -> None:
+    """A's forward of its own untagged frames to p0 put them on the uplink's native
+    segment; of frames it tagged 100 itself, into B's VLAN. Create, update and bulk apply
+    refuse both and change nothing; a granted push, or untagged = true, lets them through."""
+    from dpu_agent.network import tags  # noqa: PLC0415 - new with the grants
+
+    functions = FunctionManager(
+        MemoryFunctionBackend(), FunctionStore(tmp_path / "f.json"), flow_rules=table.rules
+    )
+    functions.start()
+    functions.create(FunctionSpec("a-fn", FunctionType.VF, tenant="tenant-a"))  # pf0vf0
+    granted = tags.parse({"tenant": {"tenant-a": {"vlans": ["200-299"]}}}, "test")
+    service = NetworkService(table, owners=functions, tags=granted)
+    for refused, what in (
+        (forward_rule(""), "in no VLAN"),
+        (forward_rule("", 1010, 100), "VLAN 100"),
+    ):
+        create = network_pb2.CreateFlowRuleRequest(flow_rule_id="r1", flow_rule=refused)
+        with pytest.raises(
+            PermissionDenied, match=rf"^actions\[0\]: forward to uplink p0: .*{what}"
+        ):
+            call(A, lambda: service.CreateFlowRule(create, CONTEXT))  # noqa: B023 - run at once
+    bulk = network_pb2.ApplyFlowRulesRequest(
+        creates=[push_rule("flowRules/ok", 250, 1001), forward_rule("flowRules/r2", 1002)]
+    )
+    with pytest.raises(PermissionDenied, match="forward to uplink p0"):
+        call(A, lambda: service.ApplyFlowRules(bulk, CONTEXT))
+    assert table.rules() == []
+    made = network_pb2.CreateFlowRuleRequest(flow_rule_id="r1", flow_rule=push_rule("", 250))
+    call(A, lambda: service.CreateFlowRule(made, CONTEXT))  # pushed into its own VLAN: fine
+    update = network_pb2.UpdateFlowRuleRequest(flow_rule=forward_rule("flowRules/r1"))
+    with pytest.raises(PermissionDenied, match="forward to uplink p0"):
+        call(A, lambda: service.UpdateFlowRule(update, CONTEXT))
+    bulk_update = network_pb2.ApplyFlowRulesRequest(updates=[forward_rule("flowRules/r1")])
+    with pytest.raises(PermissionDenied, match="forward to uplink p0"):
+        call(A, lambda: service.ApplyFlowRules(bulk_update, CONTEXT))
+    assert table.get("r1").actions == (model.VlanPush(250), model.Forward("p0"))  # unchanged
+    kept = network_pb2.UpdateFlowRuleRequest(flow_rule=forward_rule("flowRules/r1", 1010, 250))
+    call(A, lambda: service.UpdateFlowRule(kept, CONTEXT))  # its own VLAN 250, matched and kept
+    own = network_pb2.CreateFlowRuleRequest(flow_rule_id="r9", flow_rule=forward_rule("", 5))
+    call(ADMIN, lambda: service.CreateFlowRule(own, CONTEXT))  # the admin: anything
+    trusting = tags.parse({"tenant": {"tenant-a": {"untagged": True}}}, "test")
+    service = NetworkService(table, owners=functions, tags=trusting)
+    plain = network_pb2.CreateFlowRuleRequest(flow_rule_id="r2", flow_rule=forward_rule("", 1002))
+    assert call(A, lambda: service.CreateFlowRule(plain, CONTEXT)).name == "flowRules/r2"

@@ -152,18 +152,18 @@ GRANTS = tags.parse(
     {"tenant": {"tenant-a": {"vlans": ["200-299"], "vnis": [7000]}, "tenant-b": {"vlans": [100]}}},
     "test",
 )
-OWNERS = {"pf0vf0": "tenant-a", "pf0vf1": "tenant-b"}
-MANAGED = {"p0", "pf0vf0", "pf0vf1", "eth5"}
+OWNERS = {"pf0vf0": "tenant-a", "pf0vf1": "tenant-b", "pf0vf2": "tenant-a"}
+MANAGED = {"p0", "p1", "pf0vf0", "pf0vf1", "pf0vf2", "eth5", "vxlan0"}
 IP = ipaddress.ip_address
 
 
-def tagged(port="pf0vf0", *actions, vlan=None, vni=None):
+def tagged(port="pf0vf0", *actions, vlan=None, vni=None, to="p0"):
     return model.FlowRule(
         "r",
         1000,  # a tenant's rule: in the tenants' band
         port,
         model.FlowMatch(vlan_id=vlan, vxlan_vni=vni),
-        (*actions, model.Forward("p0")),
+        (*actions, model.Forward(to)),
         tenant="tenant-a",
     )
 
@@ -181,7 +181,7 @@ def encap(vni):
             r"actions\[0\]: vlan_push: VLAN 100 is not granted",
         ),
         (tagged("pf0vf0", model.VlanPush(1)), "VLAN 1 is not granted"),
-        (tagged("pf0vf0", encap(7000)), None),
+        (tagged("pf0vf0", encap(7000), to="vxlan0"), None),  # encapsulated by it
         (tagged("pf0vf0", encap(5000)), r"actions\[0\]: vxlan_encap: VNI 5000 is not granted"),
         (
             tagged("pf0vf0", model.VlanPush(250), encap(5000)),
@@ -190,21 +190,21 @@ def encap(vni):
         # pop and decap name the tag they remove, which must be the tenant's
         (tagged("pf0vf0", model.VlanPop()), r"vlan_pop removes a tag: .*match\.vlan_id"),
         (tagged("pf0vf0", model.VlanPop(), vlan=100), "vlan_pop: VLAN 100 is not granted"),
-        (tagged("pf0vf0", model.VlanPop(), vlan=200), None),
+        (tagged("pf0vf0", model.VlanPop(), vlan=200, to="pf0vf2"), None),
         (tagged("pf0vf0", model.VxlanDecap()), r"vxlan_decap removes a tag: .*match\.vxlan_vni"),
         (tagged("pf0vf0", model.VxlanDecap(), vni=5000), "vxlan_decap: VNI 5000 is not granted"),
-        (tagged("pf0vf0", model.VxlanDecap(), vni=7000), None),
+        (tagged("pf0vf0", model.VxlanDecap(), vni=7000, to="pf0vf2"), None),
         # matching on its own representor selects its own frames
-        (tagged("pf0vf0", vlan=100, vni=5000), None),
-        (tagged("pf0vf0"), None),
+        (tagged("pf0vf0", vlan=100, vni=5000, to="pf0vf2"), None),
+        (tagged("pf0vf0", to="pf0vf2"), None),
         # a host netdev carries everyone's traffic: a rule there keeps to its tags
         (tagged("eth5"), "host port eth5 acts on every tenant's traffic"),
         (tagged("eth5", vlan=100), "match.vlan_id: VLAN 100 is not granted"),
         (tagged("eth5", vni=5000), "match.vxlan_vni: VNI 5000 is not granted"),
         (tagged("eth5", vlan=200, vni=5000), "VNI 5000 is not granted"),
         (tagged("eth5", vlan=200), None),
-        (tagged("eth5", model.VlanPop(), vlan=200), None),
-        (tagged("eth5", model.VxlanDecap(), vni=7000), None),
+        (tagged("eth5", model.VlanPop(), vlan=200, to="pf0vf2"), None),
+        (tagged("eth5", model.VxlanDecap(), vni=7000, to="pf0vf2"), None),
     ],
 )
 def test_a_tenant_names_only_its_granted_tags(rule, refused):
@@ -221,10 +221,111 @@ def test_a_tenant_names_only_its_granted_tags(rule, refused):
 def test_without_a_tags_file_a_tenant_uses_no_tag():
     with pytest.raises(PermissionDenied, match="VLAN 250 is not granted"):
         check_rule_tags(tagged("pf0vf0", model.VlanPush(250)), A, tags.TenantTags())
-    check_rule_tags(tagged("pf0vf0"), A, tags.TenantTags())  # no tag: the ports decide
+    check_rule_tags(tagged("pf0vf0"), A, tags.TenantTags())  # no tag used
+    with pytest.raises(PermissionDenied, match=r"forward to uplink p0: the frame is in no VLAN"):
+        check_rule_access(tagged("pf0vf0"), A, MANAGED, OWNERS, tags.TenantTags())
 
 
 def test_the_ports_are_checked_before_the_tags():
     """B's port answers NOT_FOUND as a missing one, whatever tag the rule names."""
     with pytest.raises(NotFound, match=r"^ports/pf0vf1 does not exist$"):
         check_rule_access(tagged("pf0vf1", model.VlanPush(100)), A, MANAGED, OWNERS, GRANTS)
+
+
+# ------------------------------------------------------------------ what goes to an uplink
+
+UNTAGGED = tags.parse(
+    {"tenant": {"tenant-a": {"vlans": ["200-299"], "vnis": [7000], "untagged": True}}}, "test"
+)
+NO_VLAN = "the frame is in no VLAN granted to tenant 'tenant-a'"
+
+
+def sends(*actions, port="pf0vf0", vlan=None, vni=None):
+    return model.FlowRule(
+        "r", 1000, port, model.FlowMatch(vlan_id=vlan, vxlan_vni=vni), actions, tenant="tenant-a"
+    )
+
+
+FWD, MIRROR = model.Forward("p0"), model.Mirror("p1")
+
+
+@pytest.mark.parametrize(
+    ("rule", "refused", "untagged"),
+    [
+        # untagged (or as the guest tagged it), straight to the shared uplink
+        (sends(FWD), rf"^actions\[0\]: forward to uplink p0: {NO_VLAN} \(it matches no", None),
+        (sends(MIRROR), rf"^actions\[0\]: mirror to uplink p1: {NO_VLAN}", None),
+        (sends(model.Count(), model.Police(8000, 100), FWD), r"^actions\[2\]: forward", None),
+        # a granted push before the forward or mirror puts it in the tenant's segment
+        (sends(model.VlanPush(250), FWD), None, None),
+        (sends(model.VlanPush(250), MIRROR, model.Drop()), None, None),
+        # ... after it does not: the mirror's copy left untagged
+        (
+            sends(MIRROR, model.VlanPush(250), FWD),
+            rf"^actions\[0\]: mirror to uplink p1: {NO_VLAN}",
+            None,
+        ),
+        # a matched VLAN: the tenant's kept is fine, another tenant's is not (untagged or no)
+        (sends(FWD, vlan=250), None, None),
+        (sends(MIRROR, FWD, vlan=250), None, None),
+        (
+            sends(FWD, vlan=100),
+            r"^actions\[0\]: forward to uplink p0: the frame is in VLAN 100 \(match",
+            r"VLAN 100",
+        ),
+        (sends(model.VlanPush(250), FWD, vlan=100), None, None),  # B's tag under A's
+        (sends(FWD, vlan=0), NO_VLAN, None),  # a priority tag: no VLAN
+        # popped: what was under it is not known
+        (sends(model.VlanPop(), FWD, vlan=250), r"\(actions\[0\] popped VLAN 250\)", None),
+        (sends(model.VlanPop(), model.VlanPush(260), FWD, vlan=250), None, None),
+        (sends(model.VlanPush(260), model.VlanPop(), FWD, vlan=250), None, None),  # 250 again
+        (sends(MIRROR, model.VlanPop(), vlan=250), None, None),  # mirrored before the pop
+        # a VNI is no tag on an uplink: encap works only through a VXLAN port
+        (sends(encap(7000), FWD), r"a VNI does not tag a frame sent to an uplink", None),
+        (sends(encap(7000), model.Forward("vxlan0")), None, None),
+        (sends(model.VlanPush(250), encap(7000), FWD), None, None),
+        (sends(FWD, port="vxlan0", vni=7000), r"a VNI does not tag", None),
+        (sends(model.VxlanDecap(), FWD, port="vxlan0", vni=7000), NO_VLAN, None),
+        (sends(model.VxlanDecap(), FWD, port="vxlan0", vni=7000, vlan=250), None, None),
+        (sends(model.VxlanDecap(), model.VlanPush(250), FWD, port="vxlan0", vni=7000), None, None),
+        # a host netdev's rule already matches a granted tag; popping it is not enough
+        (sends(FWD, port="eth5", vlan=250), None, None),
+        (sends(model.VlanPop(), FWD, port="eth5", vlan=250), r"popped VLAN 250", None),
+        # other targets are not uplinks: the ports and tags decide
+        (sends(model.Forward("pf0vf2")), None, None),
+        (sends(model.Forward("eth5")), None, None),
+    ],
+)
+def test_a_tenants_frames_reach_an_uplink_only_in_its_segments(rule, refused, untagged):
+    """A tenant's rule sent its untagged frames onto the uplink's native segment, or
+    frames the guest tagged 100 into VLAN 100 (tenant B's). `untagged` is the refusal
+    left with `untagged = true` (None: then accepted)."""
+    if refused is None:
+        check_rule_access(rule, A, MANAGED, OWNERS, GRANTS)
+    else:
+        with pytest.raises(PermissionDenied, match=refused):
+            check_rule_access(rule, A, MANAGED, OWNERS, GRANTS)
+    if untagged is None:
+        check_rule_access(rule, A, MANAGED, OWNERS, UNTAGGED)
+    else:
+        with pytest.raises(PermissionDenied, match=untagged):
+            check_rule_access(rule, A, MANAGED, OWNERS, UNTAGGED)
+    check_rule_access(rule, ADMIN, MANAGED, OWNERS, tags.TenantTags())  # the admin: anything
+
+
+def test_the_refusal_says_what_is_missing():
+    with pytest.raises(PermissionDenied) as denied:
+        check_rule_access(sends(FWD), A, MANAGED, OWNERS, GRANTS)
+    assert str(denied.value) == (
+        "actions[0]: forward to uplink p0: the frame is in no VLAN granted to tenant"
+        " 'tenant-a' (it matches no VLAN id and pushes none before it): push one before it"
+        " (vlan_push), or match one (match.vlan_id) and keep it; sending untagged to the"
+        " uplinks needs untagged = true for the tenant in [network] tenant_tags_file"
+    )
+
+
+def test_untagged_is_one_tenants_grant():
+    """B's grant is its own: A with untagged = true does not lend it to B."""
+    b_rule = model.FlowRule("r", 1000, "pf0vf1", model.FlowMatch(), (FWD,), tenant="tenant-b")
+    with pytest.raises(PermissionDenied, match="tenant 'tenant-b'"):
+        check_rule_access(b_rule, Principal("tenant-b"), MANAGED, OWNERS, UNTAGGED)
