@@ -4,11 +4,14 @@ Ports are agent-wide: listing them needs the admin role. Which ports a rule may 
 (its ingress port, and the targets of its forwards and mirrors) depends on who calls
 (`dpu_agent.network.access`): a function's representor only by the function's tenant,
 an uplink as ingress only by an admin; another tenant's port answers NOT_FOUND exactly
-as a missing one does. The VLAN ids and VNIs a rule pushes, pops and matches must be
-granted to the caller's tenant (`[network] tenant_tags_file`; admins need none);
-else PERMISSION_DENIED. A flow rule belongs to the tenant that created it (kept in the
-rule store); another tenant's rule answers NOT_FOUND exactly as a missing one does,
-and admins see all. `[quota] max_flow_rules` bounds the rules of a tenant.
+as a missing one does. Priorities 1..999 are the admins' (a tenant's rule takes 1000
+and up, after theirs on the port). The VLAN ids and VNIs a rule pushes, pops and
+matches must be granted to the caller's tenant (`[network] tenant_tags_file`; admins
+need none), and what it forwards or mirrors to an uplink must be in a granted VLAN
+(or the tenant granted untagged traffic); else PERMISSION_DENIED. A flow rule belongs
+to the tenant that created it (kept in the rule store); another tenant's rule answers
+NOT_FOUND exactly as a missing one does, and admins see all. `[quota] max_flow_rules`
+bounds the rules of a tenant.
 """
 
 from __future__ import annotations

@@ -577,6 +577,10 @@ class FlowRule(_message.Message):
     name: _builtins.str
     """Resource name "flowRules/{rule}"."""
     priority: _builtins.int
+    """Order among the rules on the port: lower first, 1..65535 (tc's pref); unique
+    on the port. 1..999 are the admin role's: another caller's rule takes
+    1000..65535 (PERMISSION_DENIED below), so an admin's rule there comes first.
+    """
     ingress_port: _builtins.str
     """Port the rule matches on: "ports/{port}"."""
     offload: Global___OffloadPolicy.ValueType

@@ -101,12 +101,19 @@ class NetworkServiceServicer:
 
     def CreateFlowRule(self, request, context):
         """Programs a rule owned by the caller's tenant. For a caller without the admin
-        role, the rule's ports and tags are checked: another tenant's representor is
-        NOT_FOUND, an uplink as the ingress port PERMISSION_DENIED, and every VLAN id and
-        VNI the rule pushes, encapsulates, pops or decapsulates (a pop or decap must match
-        the tag it removes; a rule on a host port must match a tag) must be one the
-        operator granted the tenant (the agent's [network] tenant_tags_file), else
-        PERMISSION_DENIED naming the tag.
+        role, the rule's ports, priority, tags and uplink traffic are checked: another
+        tenant's representor is NOT_FOUND, an uplink as the ingress port
+        PERMISSION_DENIED; a priority below 1000 (1..999 are the admin role's, so an
+        admin's rule on a port comes before every tenant's) PERMISSION_DENIED; every
+        VLAN id and VNI the rule pushes, encapsulates, pops or decapsulates (a pop or
+        decap must match the tag it removes; a rule on a host port must match a tag) must
+        be one the operator granted the tenant (the agent's [network]
+        tenant_tags_file), else PERMISSION_DENIED naming the tag; and a forward or
+        mirror to an uplink must send the frame in a granted VLAN: pushed before it, or
+        matched (match.vlan_id) and not popped (a VNI does not count: only a VXLAN port
+        encapsulates). A frame in no known VLAN (untagged, or tagged by the function)
+        may go to an uplink only if the operator granted the tenant untagged traffic
+        (untagged = true in the tags file); else PERMISSION_DENIED naming the action.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,7 +136,9 @@ class NetworkServiceServicer:
         names, or all four when it is empty. The ingress port cannot change (delete
         the rule and create it): without a mask, an ingress port other than the rule's
         is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
-        The new rule's ports and tags are checked as in CreateFlowRule.
+        The new rule's ports, priority, tags and uplink traffic are checked as in
+        CreateFlowRule (a tenant's rule saved below priority 1000 must move to 1000 or
+        more when it changes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,8 +153,8 @@ class NetworkServiceServicer:
     def ApplyFlowRules(self, request, context):
         """Creates, updates and deletes many rules as one unit: all of them or none (the
         datapath and the saved rules stay as they were). The datapath gets the whole
-        change at once (tc: one netlink batch). Every created or updated rule's ports
-        and tags are checked as in CreateFlowRule.
+        change at once (tc: one netlink batch). Every created or updated rule's ports,
+        priority, tags and uplink traffic are checked as in CreateFlowRule.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

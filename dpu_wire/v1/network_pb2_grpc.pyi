@@ -41,12 +41,19 @@ class NetworkServiceStub:
     """One port. Admin role; a port the agent does not manage is NOT_FOUND."""
     CreateFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.CreateFlowRuleRequest, _network_pb2.FlowRule]
     """Programs a rule owned by the caller's tenant. For a caller without the admin
-    role, the rule's ports and tags are checked: another tenant's representor is
-    NOT_FOUND, an uplink as the ingress port PERMISSION_DENIED, and every VLAN id and
-    VNI the rule pushes, encapsulates, pops or decapsulates (a pop or decap must match
-    the tag it removes; a rule on a host port must match a tag) must be one the
-    operator granted the tenant (the agent's [network] tenant_tags_file), else
-    PERMISSION_DENIED naming the tag.
+    role, the rule's ports, priority, tags and uplink traffic are checked: another
+    tenant's representor is NOT_FOUND, an uplink as the ingress port
+    PERMISSION_DENIED; a priority below 1000 (1..999 are the admin role's, so an
+    admin's rule on a port comes before every tenant's) PERMISSION_DENIED; every
+    VLAN id and VNI the rule pushes, encapsulates, pops or decapsulates (a pop or
+    decap must match the tag it removes; a rule on a host port must match a tag) must
+    be one the operator granted the tenant (the agent's [network]
+    tenant_tags_file), else PERMISSION_DENIED naming the tag; and a forward or
+    mirror to an uplink must send the frame in a granted VLAN: pushed before it, or
+    matched (match.vlan_id) and not popped (a VNI does not count: only a VXLAN port
+    encapsulates). A frame in no known VLAN (untagged, or tagged by the function)
+    may go to an uplink only if the operator granted the tenant untagged traffic
+    (untagged = true in the tags file); else PERMISSION_DENIED naming the action.
     """
     GetFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]
     ListFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]
@@ -55,14 +62,16 @@ class NetworkServiceStub:
     names, or all four when it is empty. The ingress port cannot change (delete
     the rule and create it): without a mask, an ingress port other than the rule's
     is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
-    The new rule's ports and tags are checked as in CreateFlowRule.
+    The new rule's ports, priority, tags and uplink traffic are checked as in
+    CreateFlowRule (a tenant's rule saved below priority 1000 must move to 1000 or
+    more when it changes).
     """
     DeleteFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.DeleteFlowRuleRequest, _network_pb2.DeleteFlowRuleResponse]
     ApplyFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ApplyFlowRulesRequest, _network_pb2.ApplyFlowRulesResponse]
     """Creates, updates and deletes many rules as one unit: all of them or none (the
     datapath and the saved rules stay as they were). The datapath gets the whole
-    change at once (tc: one netlink batch). Every created or updated rule's ports
-    and tags are checked as in CreateFlowRule.
+    change at once (tc: one netlink batch). Every created or updated rule's ports,
+    priority, tags and uplink traffic are checked as in CreateFlowRule.
     """
     WatchFlowCounters: _grpc.UnaryStreamMultiCallable[_network_pb2.WatchFlowCountersRequest, _network_pb2.FlowCounterUpdate]
     """Streams counter updates of the selected rules at the requested interval."""
@@ -76,12 +85,19 @@ class NetworkServiceAsyncStub(NetworkServiceStub):
     """One port. Admin role; a port the agent does not manage is NOT_FOUND."""
     CreateFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.CreateFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
     """Programs a rule owned by the caller's tenant. For a caller without the admin
-    role, the rule's ports and tags are checked: another tenant's representor is
-    NOT_FOUND, an uplink as the ingress port PERMISSION_DENIED, and every VLAN id and
-    VNI the rule pushes, encapsulates, pops or decapsulates (a pop or decap must match
-    the tag it removes; a rule on a host port must match a tag) must be one the
-    operator granted the tenant (the agent's [network] tenant_tags_file), else
-    PERMISSION_DENIED naming the tag.
+    role, the rule's ports, priority, tags and uplink traffic are checked: another
+    tenant's representor is NOT_FOUND, an uplink as the ingress port
+    PERMISSION_DENIED; a priority below 1000 (1..999 are the admin role's, so an
+    admin's rule on a port comes before every tenant's) PERMISSION_DENIED; every
+    VLAN id and VNI the rule pushes, encapsulates, pops or decapsulates (a pop or
+    decap must match the tag it removes; a rule on a host port must match a tag) must
+    be one the operator granted the tenant (the agent's [network]
+    tenant_tags_file), else PERMISSION_DENIED naming the tag; and a forward or
+    mirror to an uplink must send the frame in a granted VLAN: pushed before it, or
+    matched (match.vlan_id) and not popped (a VNI does not count: only a VXLAN port
+    encapsulates). A frame in no known VLAN (untagged, or tagged by the function)
+    may go to an uplink only if the operator granted the tenant untagged traffic
+    (untagged = true in the tags file); else PERMISSION_DENIED naming the action.
     """
     GetFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
     ListFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]  # type: ignore[assignment]
@@ -90,14 +106,16 @@ class NetworkServiceAsyncStub(NetworkServiceStub):
     names, or all four when it is empty. The ingress port cannot change (delete
     the rule and create it): without a mask, an ingress port other than the rule's
     is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
-    The new rule's ports and tags are checked as in CreateFlowRule.
+    The new rule's ports, priority, tags and uplink traffic are checked as in
+    CreateFlowRule (a tenant's rule saved below priority 1000 must move to 1000 or
+    more when it changes).
     """
     DeleteFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.DeleteFlowRuleRequest, _network_pb2.DeleteFlowRuleResponse]  # type: ignore[assignment]
     ApplyFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ApplyFlowRulesRequest, _network_pb2.ApplyFlowRulesResponse]  # type: ignore[assignment]
     """Creates, updates and deletes many rules as one unit: all of them or none (the
     datapath and the saved rules stay as they were). The datapath gets the whole
-    change at once (tc: one netlink batch). Every created or updated rule's ports
-    and tags are checked as in CreateFlowRule.
+    change at once (tc: one netlink batch). Every created or updated rule's ports,
+    priority, tags and uplink traffic are checked as in CreateFlowRule.
     """
     WatchFlowCounters: _aio.UnaryStreamMultiCallable[_network_pb2.WatchFlowCountersRequest, _network_pb2.FlowCounterUpdate]  # type: ignore[assignment]
     """Streams counter updates of the selected rules at the requested interval."""
@@ -126,12 +144,19 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_network_pb2.FlowRule, _abc.Awaitable[_network_pb2.FlowRule]]:
         """Programs a rule owned by the caller's tenant. For a caller without the admin
-        role, the rule's ports and tags are checked: another tenant's representor is
-        NOT_FOUND, an uplink as the ingress port PERMISSION_DENIED, and every VLAN id and
-        VNI the rule pushes, encapsulates, pops or decapsulates (a pop or decap must match
-        the tag it removes; a rule on a host port must match a tag) must be one the
-        operator granted the tenant (the agent's [network] tenant_tags_file), else
-        PERMISSION_DENIED naming the tag.
+        role, the rule's ports, priority, tags and uplink traffic are checked: another
+        tenant's representor is NOT_FOUND, an uplink as the ingress port
+        PERMISSION_DENIED; a priority below 1000 (1..999 are the admin role's, so an
+        admin's rule on a port comes before every tenant's) PERMISSION_DENIED; every
+        VLAN id and VNI the rule pushes, encapsulates, pops or decapsulates (a pop or
+        decap must match the tag it removes; a rule on a host port must match a tag) must
+        be one the operator granted the tenant (the agent's [network]
+        tenant_tags_file), else PERMISSION_DENIED naming the tag; and a forward or
+        mirror to an uplink must send the frame in a granted VLAN: pushed before it, or
+        matched (match.vlan_id) and not popped (a VNI does not count: only a VXLAN port
+        encapsulates). A frame in no known VLAN (untagged, or tagged by the function)
+        may go to an uplink only if the operator granted the tenant untagged traffic
+        (untagged = true in the tags file); else PERMISSION_DENIED naming the action.
         """
 
     @_abc_1.abstractmethod
@@ -158,7 +183,9 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
         names, or all four when it is empty. The ingress port cannot change (delete
         the rule and create it): without a mask, an ingress port other than the rule's
         is INVALID_ARGUMENT (an empty one keeps it); "ingress_port" in the mask is too.
-        The new rule's ports and tags are checked as in CreateFlowRule.
+        The new rule's ports, priority, tags and uplink traffic are checked as in
+        CreateFlowRule (a tenant's rule saved below priority 1000 must move to 1000 or
+        more when it changes).
         """
 
     @_abc_1.abstractmethod
@@ -176,8 +203,8 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_network_pb2.ApplyFlowRulesResponse, _abc.Awaitable[_network_pb2.ApplyFlowRulesResponse]]:
         """Creates, updates and deletes many rules as one unit: all of them or none (the
         datapath and the saved rules stay as they were). The datapath gets the whole
-        change at once (tc: one netlink batch). Every created or updated rule's ports
-        and tags are checked as in CreateFlowRule.
+        change at once (tc: one netlink batch). Every created or updated rule's ports,
+        priority, tags and uplink traffic are checked as in CreateFlowRule.
         """
 
     @_abc_1.abstractmethod
