@@ -47,8 +47,9 @@ Example file (every key optional):
     rules_file = ""               # "" = next to the volume store: <state>/flow-rules.json
     netns = ""                    # the ports' network namespace ("" = the agent's own)
     tenant_tags_file = ""         # the VLAN ids and VNIs each tenant's flow rules may push,
-                                  # pop and match (TOML, dpu_agent/network/tags.py);
-                                  # "" = none: only the admin role uses tags
+                                  # pop and match, and untagged uplink traffic (TOML,
+                                  # dpu_agent/network/tags.py); "" = none: only the
+                                  # admin role uses tags or sends untagged to an uplink
 
     [virtualization]
     backend = "none"              # linux (veth + netns, NBD + NVMe-oF), bluefield, memory, none

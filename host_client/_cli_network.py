@@ -118,14 +118,17 @@ takes, or none does. FILE (YAML or JSON):
   rules:
     - name: web-in                  # the rule's id (or flowRules/web-in)
       ingress_port: pf0vf0
-      priority: 10
+      priority: 1000                # 1..999 are the admin role's
       match: {ethertype: 0x0800, ip_protocol: 6, dst_l4_port: 80}
-      actions: [count, forward=p0]  # --action syntax, or {forward: {port: p0}}
+      actions: [count, vlan_push=200, forward=p0]  # --action syntax, or {forward: {port: p0}}
       offload: any                  # any (default), hardware, software
   delete: [old-rule]                # optional: rules to remove
 
 match takes the FlowMatch fields of the API (docs/api.md). A rule whose ingress
-port changes is deleted and created.
+port changes is deleted and created. A tenant's rule (not an admin's) takes a
+priority of 1000 or more, and sends to an uplink (p0, p1) only in a VLAN its tenant
+was granted (vlan_push before the forward, or matched) unless the operator allows
+it untagged traffic (README, "Tags in flow rules").
 
 --prune deletes the rules of one tenant only: yours (the CN of your client
 certificate; "default" on a plaintext loopback agent without a token), or the
@@ -147,7 +150,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add = act.add_parser("add", help="add a rule")
     add.add_argument("id", help="rule id (its name is flowRules/{id})")
     add.add_argument("--port", required=True, help="ingress port")
-    add.add_argument("--priority", type=int, required=True, help="1..65535, lower first")
+    add.add_argument(
+        "--priority",
+        type=int,
+        required=True,
+        help="1..65535, lower first; 1..999 are the admin role's (a tenant's rule: 1000 and up)",
+    )
     add.add_argument("--match", type=match_arg, action="append", default=[], metavar="KEY=VALUE")
     add.add_argument("--action", type=action_arg, action="append", required=True, dest="actions")
     add.add_argument("--offload", choices=OFFLOAD, default="any")
