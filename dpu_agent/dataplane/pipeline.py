@@ -192,6 +192,7 @@ class Pipeline(LinkSink):
         self.by_request: dict[str, int] = {}
         self._runs: dict[int, _Run] = {}  # by token
         self._run_of: dict[int, _Run] = {}  # by job id
+        self._throttled: dict[int, Timer] = {}  # by job id: writes waiting for their QoS
         self._next_token = 1
         self._finished: list[JobRecord] = []
         # this pass's BatchWrites, for one write_batch: a run's, or a whole job's (no run)
@@ -455,12 +456,16 @@ class Pipeline(LinkSink):
             return
         if delay > 0:
             self._arm_sweeper()  # its deadline holds while it waits
-            self._reactor.call_later(delay, lambda: self._queue_now(job, write))
+            # kept so that ending the job cancels it: the timer holds the job's data
+            self._throttled[job.job_id] = self._reactor.call_later(
+                delay, lambda: self._queue_now(job, write)
+            )
         else:
             self._queue_now(job, write)
 
     def _queue_now(self, job: JobRecord, write: BatchWrite) -> None:
-        if job.done:  # cancelled, or past its deadline, while it waited
+        self._throttled.pop(job.job_id, None)
+        if job.done:  # past its deadline while it waited (the end cancels the timer)
             return
         if time.monotonic() > job.deadline:  # as `_advance` checks before each step
             self._end_late(job, None)
@@ -700,23 +705,30 @@ class Pipeline(LinkSink):
         c.bytes_read += job.bytes_read
         c.bytes_written += job.bytes_written
         self._finished.append(job)
-        token = None
-        if run is not None:
-            self._run_of.pop(job.job_id, None)
-            if run.gen is not None:
-                run.gen.close()
-            if run.timer is not None:
-                run.timer.cancel()
-                run.timer = None
-            if job.origin is Origin.CAPSULE and run.buffers and not self.failed:
-                token = run.token  # the SEND covers the job's last WRITE: release after it
-                run.pending += 1
-            else:
-                self._release_if_idle(run)
+        if self._throttled:
+            timer = self._throttled.pop(job.job_id, None)
+            if timer is not None:  # a write waiting for its volume's QoS: it never runs
+                timer.cancel()
+        token = None if run is None else self._end_run(run)
         if job.origin is Origin.CAPSULE and not self.failed:
             self._send(job.encode_completion(), token)
         if self._waiting and len(self.open) < self.queue_depth:
             self._serve_waiting()
+
+    def _end_run(self, run: _Run) -> int | None:
+        """Stop an ended job's run; the token of the SEND to release its buffers after."""
+        job = run.job
+        self._run_of.pop(job.job_id, None)
+        if run.gen is not None:
+            run.gen.close()
+        if run.timer is not None:
+            run.timer.cancel()
+            run.timer = None
+        if job.origin is Origin.CAPSULE and run.buffers and not self.failed:
+            run.pending += 1
+            return run.token  # the SEND covers the job's last WRITE: release after it
+        self._release_if_idle(run)
+        return None
 
     def _release_if_idle(self, run: _Run) -> None:
         if run.pending <= 0 and run.job.done:

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 POLL_BUDGET: Final = 64  # completions and capsules taken from one link per pass
+CANCELLED_TIMERS_KEPT: Final = 64  # cancelled timers left in the heap before it is compacted
 MAX_WAIT: Final = 1.0  # seconds the loop sleeps at most (overdue tcp requests are checked)
 SETTLE_ROUNDS: Final = 4  # arm/end_pass rounds that end a tcp link's pass (see _settle)
 SPIN_GROWTH: Final = 10  # an adaptive link's idle polling window grows to at most this times spin
@@ -92,19 +93,27 @@ class _Entry:
     removed: bool = False
 
 
+def _nothing() -> None:
+    pass
+
+
 class Timer:
     """A call scheduled on the reactor; `cancel()` it from the reactor thread."""
 
-    __slots__ = ("cancelled", "fn", "when")
+    __slots__ = ("_reactor", "cancelled", "fn", "when")
 
-    def __init__(self, when: float, fn: Callable[[], None]) -> None:
+    def __init__(self, when: float, fn: Callable[[], None], reactor: Reactor) -> None:
         self.when = when
         self.fn = fn
         self.cancelled = False
+        self._reactor = reactor
 
     def cancel(self) -> None:
-        """Do not run it."""
-        self.cancelled = True
+        """Do not run it, and let go of what it would have run at once."""
+        if not self.cancelled:
+            self.cancelled = True
+            self.fn = _nothing
+            self._reactor._timer_cancelled()  # noqa: SLF001 - the heap's bookkeeping
 
 
 class Reactor:
@@ -136,6 +145,7 @@ class Reactor:
         self._sleeping = False
         self._timers: list[tuple[float, int, Timer]] = []
         self._timer_seq = itertools.count()
+        self._cancelled_timers = 0  # entries of _timers whose timer is cancelled
         self._entries: dict[int, _Entry] = {}  # by descriptor, for epoll's events
         # by link: a failed tcp link closed its socket, and its descriptor reads -1
         self._by_link: dict[AgentLink, _Entry] = {}
@@ -246,9 +256,24 @@ class Reactor:
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
         """Run `fn` on this thread after `delay` seconds."""
-        timer = Timer(time.monotonic() + delay, fn)
+        timer = Timer(time.monotonic() + delay, fn, self)
         heapq.heappush(self._timers, (timer.when, next(self._timer_seq), timer))
         return timer
+
+    def _timer_cancelled(self) -> None:
+        """A timer was cancelled: once most of the heap is cancelled, drop those entries.
+
+        Else a peer that makes timers and has them cancelled (a throttled write, then its
+        CANCEL) would fill the heap until their due times, hours away.
+        """
+        self._cancelled_timers += 1
+        timers = self._timers
+        if self._cancelled_timers > CANCELLED_TIMERS_KEPT and 2 * self._cancelled_timers > len(
+            timers
+        ):
+            timers[:] = [entry for entry in timers if not entry[2].cancelled]  # in place:
+            heapq.heapify(timers)  # _run_timers may be iterating over this list
+            self._cancelled_timers = 0
 
     def compute(
         self, fn: Callable[[], _T], done: Callable[[concurrent.futures.Future[_T]], None]
@@ -372,6 +397,7 @@ class Reactor:
         while timers and timers[0][0] <= now:
             timer = heapq.heappop(timers)[2]
             if timer.cancelled:
+                self._cancelled_timers -= 1
                 continue
             try:
                 timer.fn()

@@ -22,6 +22,7 @@ from dpu_agent.errors import InvalidArgument
 from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_FUA, FLAG_INLINE, JobKind
+from dpu_wire.transport.base import TransportError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -143,19 +144,26 @@ class _Reactor:
     """Records the timers a pipeline sets (call `fire` to run them)."""
 
     def __init__(self) -> None:
-        self.timers: list[tuple[float, Callable[[], None]]] = []
+        self.timers: list[tuple[float, Callable[[], None], types.SimpleNamespace]] = []
 
     def wake(self, _link: object) -> None:
         pass
 
     def call_later(self, seconds: float, fn: Callable[[], None]) -> types.SimpleNamespace:
-        self.timers.append((seconds, fn))
-        return types.SimpleNamespace(cancel=lambda: None)
+        timer = types.SimpleNamespace(cancelled=False)
+        timer.cancel = lambda: setattr(timer, "cancelled", True)
+        self.timers.append((seconds, fn, timer))
+        return timer
+
+    def pending(self, seconds: float) -> int:
+        """Timers of `seconds` neither fired nor cancelled."""
+        return sum(1 for s, _, timer in self.timers if s == seconds and not timer.cancelled)
 
     def fire(self) -> None:
         timers, self.timers = self.timers, []
-        for _, fn in timers:
-            fn()
+        for _, fn, timer in timers:
+            if not timer.cancelled:
+                fn()
 
 
 class _BatchStore:
@@ -310,6 +318,22 @@ def test_a_queued_write_that_ends_first_writes_nothing(monkeypatch, ending):
     # as the runner's: the inline source counts as read once QoS let the write through
     read = len(DATA) if ending == "cancel in the same pass" else 0
     assert reply == (1, state, status, read)
+
+
+def test_cancelled_writes_waiting_for_qos_leave_no_timer(monkeypatch):
+    """A write waiting for its volume's QoS holds its data in a timer: ending the job
+    (CANCEL, the session's end) cancels it, so a host that sends throttled writes and
+    cancels them leaves nothing behind."""
+    _no_runner(monkeypatch)
+    link, reactor = _Link(), _Reactor()
+    pipe = _pipeline(link, _Hooks(), reactor=reactor, store=_BatchStore(delay=3600.0))
+    for job_id in range(1, 101):
+        pipe.on_capsule(_inline_write(job_id))
+        pipe.cancel(job_id, "cancelled by request")
+    pipe.on_capsule(_inline_write(101))
+    assert reactor.pending(3600.0) == 1  # the one still open
+    pipe.fail(TransportError("the link broke"))  # every open job ends, as on close
+    assert reactor.pending(3600.0) == 0
 
 
 def test_a_trim_waits_for_its_write_operation_under_qos():
