@@ -51,6 +51,7 @@ from dpu_agent.storage.layout import (
     CHUNK,
     RECORD_ROOM,
     SECTOR,
+    SECTORS_PER_CHUNK,
     WRITE,
     LogPosition,
     batch_record,
@@ -71,9 +72,10 @@ COMMIT_BLOCKS: Final = 64  # pending log blocks that wake the thread at once
 EMERGENCY_CHUNKS: Final = 4  # reserve only changes that free space may use
 RESERVE_MAX: Final = 256  # log chunks kept in reserve beyond what is promised
 DEFAULT_CHECKPOINT_LOG_BYTES: Final = 1 << 20
-# Chunks the pool grows by when the log finds no free chunk with file space: written
-# with zeros in one go, so the file grows (and fdatasync journals its new size) once
-# per GROW_CHUNKS, not at every commit.
+# Chunks the log gives file space to when it finds no free chunk with file space: holes
+# if there are (else as many chunks past the end of the pool), written with zeros, so
+# the file's blocks are allocated (and fdatasync journals them) once per GROW_CHUNKS,
+# not at every commit.
 GROW_CHUNKS: Final = 64
 
 
@@ -219,9 +221,12 @@ class Journal(Generic[ImageT]):
         sector = self._space.take_backed()
         if sector is not None:
             return sector
-        run = self._space.take_fresh_run(GROW_CHUNKS)
+        # Holes first (chunks a trim or a delete gave back): else data, which takes
+        # chunks with file space first, would keep using up what each growth adds while
+        # the holes stay unused, and the file would grow for ever under writes and trims.
+        run = self._space.take_holes(GROW_CHUNKS) or self._space.take_fresh_run(GROW_CHUNKS)
         try:
-            self._pool.pwrite(bytes(GROW_CHUNKS * CHUNK), run[0] * SECTOR)
+            self._zero(run)
         except OSError:  # too little room for a run: one chunk may still fit
             self._space.release(run, CHUNK, backed=False)
         else:
@@ -238,6 +243,14 @@ class Journal(Generic[ImageT]):
                 ) from exc
             raise
         return sector
+
+    def _zero(self, sectors: list[int]) -> None:
+        """Write zeros over these chunks, one call per run of adjacent ones."""
+        start = 0
+        for i in range(1, len(sectors) + 1):
+            if i == len(sectors) or sectors[i] != sectors[i - 1] + SECTORS_PER_CHUNK:
+                self._pool.pwrite(bytes((i - start) * CHUNK), sectors[start] * SECTOR)
+                start = i
 
     def append(
         self, record: bytes, frees: list[Free], promise: int = 0, written: Sequence[int] = ()

@@ -97,6 +97,12 @@ class SpaceMap:
         self.used_chunks += 1
         return chunk * SECTORS_PER_CHUNK
 
+    def take_holes(self, count: int) -> list[int]:
+        """Up to `count` free chunks without file space, lowest first (their sectors)."""
+        taken = [heapq.heappop(self._holes) for _ in range(min(count, len(self._holes)))]
+        self.used_chunks += len(taken)
+        return [chunk * SECTORS_PER_CHUNK for chunk in taken]
+
     def take_fresh_run(self, count: int) -> list[int]:
         """`count` adjacent chunks past the end of the pool (their sectors)."""
         first = self.hwm
