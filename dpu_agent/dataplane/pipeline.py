@@ -559,7 +559,7 @@ class Pipeline(LinkSink):
             return self._perform_store(run, op)  # type: ignore[arg-type]
         if kind is Work:
             run.pending += 1
-            self._reactor.compute(op.fn, lambda f: self._resumed(run, f))  # type: ignore[union-attr]
+            self._reactor.compute(op.fn, lambda f: self._resumed(run, f), key=self)  # type: ignore[union-attr]
             return True, None, None
         if kind is Sleep:
             run.timer = self._reactor.call_later(op.seconds, lambda: self._slept(run))  # type: ignore[union-attr]
@@ -576,7 +576,9 @@ class Pipeline(LinkSink):
         for slot, sub in enumerate(op.ops):
             if isinstance(sub, Work):
                 run.pending += 1
-                self._reactor.compute(sub.fn, functools.partial(self._resumed, run, slot=slot))
+                self._reactor.compute(
+                    sub.fn, functools.partial(self._resumed, run, slot=slot), key=self
+                )
             elif (isinstance(sub, Read) and not run.job.inline) or (
                 isinstance(sub, Write) and not sub.last
             ):
@@ -618,7 +620,7 @@ class Pipeline(LinkSink):
             except Exception as exc:  # noqa: BLE001 - thrown into the runner
                 return False, None, exc
         run.pending += 1
-        self._reactor.io(op.fn, lambda f: self._resumed(run, f))
+        self._reactor.io(op.fn, lambda f: self._resumed(run, f), key=self)
         return True, None, None
 
     def _write_batch(self) -> None:

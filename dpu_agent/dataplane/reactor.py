@@ -27,7 +27,9 @@ slept longer goes back to `spin`. A tcp link is driven by its socket's readiness
 
 CPU-heavy work (compression, encryption, hashing of large chunks) runs on a small pool
 of worker threads whose libraries release the GIL; blocking storage calls (syncs,
-large reads) on a second pool. Their results come back through `call`. The control
+large reads) on a second pool. Both serve their callers (sessions) in turn
+(`fairpool.FairPool`), so one session's backlog never delays another's calls. Their
+results come back through `call`. The control
 plane (gRPC, on the asyncio loop in the main thread) never waits on this loop except
 for an answer to a request it handed over (`call_async`), and this loop never waits on
 the control plane's: what it hands back goes through `loop.call_soon_threadsafe`.
@@ -49,8 +51,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
+from dpu_agent.dataplane.fairpool import FairPool
+
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Hashable
 
     from dpu_wire.transport.base import AgentLink, LinkSink
 
@@ -151,12 +155,8 @@ class Reactor:
         self._by_link: dict[AgentLink, _Entry] = {}
         self._hot: list[_Entry] = []
         self._touched: dict[_Entry, None] = {}  # entries to finish this pass, in order
-        self._compute = concurrent.futures.ThreadPoolExecutor(
-            compute_workers, thread_name_prefix="dataplane-compute"
-        )
-        self._io = concurrent.futures.ThreadPoolExecutor(
-            io_workers, thread_name_prefix="dataplane-io"
-        )
+        self._compute = FairPool(compute_workers, name="dataplane-compute")
+        self._io = FairPool(io_workers, name="dataplane-io")
         self._thread: threading.Thread | None = None
         self._overdue_timer: Timer | None = None
         self._stopping = False
@@ -172,16 +172,25 @@ class Reactor:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop (what is queued runs first) and the worker pools."""
+        """Stop the loop (what is queued runs first) and the worker pools.
+
+        Worker calls not started are dropped; those running get what is left of
+        `timeout` to return (the volume store closes next).
+        """
         if self._thread is None:
             return
+        end = time.monotonic() + timeout
         self.call(self._request_stop)
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.error("the data-plane reactor did not stop within %.0f s", timeout)
         self._thread = None
-        self._compute.shutdown(wait=False, cancel_futures=True)
-        self._io.shutdown(wait=False, cancel_futures=True)
+        pools = (self._compute, self._io)
+        for pool in pools:
+            pool.close()
+        for pool in pools:
+            if not pool.join(max(0.0, end - time.monotonic())):
+                log.error("%s calls still run after %.0f s", pool.name, timeout)
         self._epoll.close()
         os.close(self._wake_fd)
 
@@ -276,31 +285,47 @@ class Reactor:
             self._cancelled_timers = 0
 
     def compute(
-        self, fn: Callable[[], _T], done: Callable[[concurrent.futures.Future[_T]], None]
-    ) -> None:
-        """Run `fn()` on a compute worker; `done(future)` back on this thread."""
-        self._offload(self._compute, fn, done)
+        self,
+        fn: Callable[[], _T],
+        done: Callable[[concurrent.futures.Future[_T]], None],
+        *,
+        key: Hashable,
+    ) -> concurrent.futures.Future[_T]:
+        """Run `fn()` on a compute worker in `key`'s turn; `done(future)` back on this thread.
+
+        Cancelling the future before the call started drops the call (`done` still comes).
+        """
+        return self._offload(self._compute, key, fn, done)
 
     def io(
-        self, fn: Callable[[], _T], done: Callable[[concurrent.futures.Future[_T]], None]
-    ) -> None:
-        """Run `fn()` on a storage worker; `done(future)` back on this thread."""
-        self._offload(self._io, fn, done)
+        self,
+        fn: Callable[[], _T],
+        done: Callable[[concurrent.futures.Future[_T]], None],
+        *,
+        key: Hashable,
+    ) -> concurrent.futures.Future[_T]:
+        """Run `fn()` on a storage worker in `key`'s turn; `done(future)` back on this thread.
+
+        Cancelling the future before the call started drops the call (`done` still comes).
+        """
+        return self._offload(self._io, key, fn, done)
 
     def _offload(
         self,
-        pool: concurrent.futures.ThreadPoolExecutor,
+        pool: FairPool,
+        key: Hashable,
         fn: Callable[[], _T],
         done: Callable[[concurrent.futures.Future[_T]], None],
-    ) -> None:
+    ) -> concurrent.futures.Future[_T]:
         try:
-            future = pool.submit(fn)
+            future = pool.submit(key, fn)
         except RuntimeError as exc:  # shut down
             failed: concurrent.futures.Future[_T] = concurrent.futures.Future()
             failed.set_exception(exc)
             self.call(lambda: done(failed))
-            return
+            return failed
         future.add_done_callback(lambda f: self.call(lambda: done(f)))
+        return future
 
     # ------------------------------------------------------------ the loop
 

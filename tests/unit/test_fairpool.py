@@ -14,6 +14,7 @@ import threading
 import pytest
 
 from dpu_agent.dataplane.fairpool import FairPool
+from dpu_agent.dataplane.reactor import Reactor
 
 WAIT = 10.0  # seconds any one step may take before the test fails
 
@@ -159,3 +160,29 @@ def test_shutdown_drops_the_calls_not_started_and_waits_for_the_running_ones():
     assert running.result(0) == "gate"
     assert ran == []
     assert pool.threads == 0
+
+
+def test_the_reactor_stops_its_pools_and_drops_what_has_not_started():
+    """`Reactor.stop`: no worker call starts after it, running ones finish, no thread stays."""
+    reactor = Reactor(spin=0, compute_workers=1, io_workers=1)
+    reactor.start()
+    ran: list[str] = []
+    gate = _Gate()
+    done: list[concurrent.futures.Future[object]] = []
+    reactor.io(gate, done.append, key="a")
+    assert gate.entered.wait(WAIT)
+    later = reactor.io(lambda: ran.append("io"), done.append, key="b")
+    busy = _Gate()
+    reactor.compute(busy, done.append, key="a")
+    assert busy.entered.wait(WAIT)
+    reactor.compute(lambda: ran.append("compute"), done.append, key="a")
+    stopping = threading.Thread(target=reactor.stop, kwargs={"timeout": WAIT})
+    stopping.start()
+    assert concurrent.futures.wait([later], WAIT).done  # cancelled by the stop
+    gate.open()
+    busy.open()
+    stopping.join(WAIT)
+    assert not stopping.is_alive()
+    assert later.cancelled()
+    assert ran == []
+    assert reactor._io.threads == reactor._compute.threads == 0
