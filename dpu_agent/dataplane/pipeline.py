@@ -12,8 +12,15 @@ lands first), and at the end of the reactor's pass the pass's finished jobs go t
 completion bus and the session's watchers in one batch.
 
 Cancellation and deadlines end a job at once, even with an operation in flight (the
-job's buffers stay out of the pool until that operation completes); deadlines of jobs
-waiting on something are checked every `SWEEP_S`.
+job's buffers stay out of the pool until that operation completes; a worker call of it
+that has not started is dropped); deadlines of jobs waiting on something are checked
+every `SWEEP_S`.
+
+A job that calls the volume store (`runners.STORAGE_KINDS`) first takes one of the
+session's `queue_depth` storage slots, waiting QUEUED (like a job waiting for staging)
+while none is free. Its slot comes back once the job ended and its storage call
+returned: a job's queue slot frees as soon as it ends, its call may not, and without
+this a host that cancels each volume job it sends would queue calls without bound.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dpu_agent.dataplane.jobs import JobRecord, Origin
 from dpu_agent.dataplane.runners import (
     PIPELINED,
     RUNNERS,
+    STORAGE_KINDS,
     BatchWrite,
     Io,
     Read,
@@ -42,7 +50,13 @@ from dpu_agent.dataplane.runners import (
     pipelined,
     queued_write,
 )
-from dpu_agent.errors import AgentError, DeadlineExceeded, InvalidArgument, ResourceExhausted
+from dpu_agent.errors import (
+    AgentError,
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from dpu_wire import capsule
 from dpu_wire.capsule import CapsuleError, Opcode, Span, State
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
@@ -148,16 +162,30 @@ class _Waiter:
 class _Run:
     """A running job: its generator, its buffers and what it waits for."""
 
-    __slots__ = ("buffers", "gen", "group", "job", "pending", "timer", "token")
+    __slots__ = (
+        "buffers",
+        "call",
+        "gen",
+        "group",
+        "job",
+        "pending",
+        "storage_slot",
+        "timer",
+        "token",
+        "waits_for_storage",
+    )
 
     def __init__(self, job: JobRecord, token: int) -> None:
         self.job = job
         self.token = token
         self.gen: Generator[Any, Any, None] | None = None
         self.buffers: list[Buffer] = []
-        self.pending = 0  # link operations in flight with this run's token
+        self.pending = 0  # operations in flight: link operations, worker calls, batch writes
         self.timer: Timer | None = None
         self.group: _Group | None = None  # the Together it waits for
+        self.call: concurrent.futures.Future[Any] | None = None  # its worker call
+        self.storage_slot = False  # holds one of the session's storage slots
+        self.waits_for_storage = False  # in the pipeline's queue for one
 
 
 class Pipeline(LinkSink):
@@ -204,6 +232,9 @@ class Pipeline(LinkSink):
         # SubmitJob requests waiting for a slot, in order; those with a request_id by it
         self._waiting: collections.deque[_Waiter] = collections.deque()
         self._waiting_by_request: dict[str, _Waiter] = {}
+        # storage slots (see the module docstring): free ones, and runs waiting for one
+        self.storage_free = queue_depth
+        self._storage_waiting: collections.deque[_Run] = collections.deque()
         self._sweeper: Timer | None = None
         self.failed = False
         self.closed = False
@@ -423,12 +454,23 @@ class Pipeline(LinkSink):
         run = _Run(job, token)
         self._runs[token] = run
         self._run_of[job.job_id] = run
-        largest, count = buffers_needed(job)
         if self._sweeper is None:
             self._arm_sweeper()  # deadlines hold even while an operation is in flight
+        if job.kind in STORAGE_KINDS:
+            if not self.storage_free or self._storage_waiting:
+                run.waits_for_storage = True  # QUEUED until a storage call returns
+                self._storage_waiting.append(run)
+                return
+            self.storage_free -= 1
+            run.storage_slot = True
+        self._stage(run)
+
+    def _stage(self, run: _Run) -> None:
+        """Give the run its staging buffers (maybe once free), then launch it."""
+        largest, count = buffers_needed(run.job)
         if count:
             size = self._staging.pool_for(largest)
-            if pipelined(job, size) and self._staging.capacity(size) >= PIPELINED:
+            if pipelined(run.job, size) and self._staging.capacity(size) >= PIPELINED:
                 count = PIPELINED
             self._staging.take(size, count, lambda buffers: self._launch(run, buffers))
         else:
@@ -559,7 +601,7 @@ class Pipeline(LinkSink):
             return self._perform_store(run, op)  # type: ignore[arg-type]
         if kind is Work:
             run.pending += 1
-            self._reactor.compute(op.fn, lambda f: self._resumed(run, f), key=self)  # type: ignore[union-attr]
+            run.call = self._reactor.compute(op.fn, lambda f: self._resumed(run, f), key=self)  # type: ignore[union-attr]
             return True, None, None
         if kind is Sleep:
             run.timer = self._reactor.call_later(op.seconds, lambda: self._slept(run))  # type: ignore[union-attr]
@@ -576,7 +618,7 @@ class Pipeline(LinkSink):
         for slot, sub in enumerate(op.ops):
             if isinstance(sub, Work):
                 run.pending += 1
-                self._reactor.compute(
+                run.call = self._reactor.compute(
                     sub.fn, functools.partial(self._resumed, run, slot=slot), key=self
                 )
             elif (isinstance(sub, Read) and not run.job.inline) or (
@@ -620,7 +662,7 @@ class Pipeline(LinkSink):
             except Exception as exc:  # noqa: BLE001 - thrown into the runner
                 return False, None, exc
         run.pending += 1
-        self._reactor.io(op.fn, lambda f: self._resumed(run, f), key=self)
+        run.call = self._reactor.io(op.fn, lambda f: self._resumed(run, f), key=self)
         return True, None, None
 
     def _write_batch(self) -> None:
@@ -662,8 +704,12 @@ class Pipeline(LinkSink):
         self, run: _Run, future: concurrent.futures.Future[Any], slot: int | None = None
     ) -> None:
         run.pending -= 1
+        run.call = None
         if run.job.done:
             self._release_if_idle(run)
+            return
+        if future.cancelled():  # only the reactor's stop drops a live job's call
+            self._step_done(run, None, Unavailable("the agent is stopping"), slot)
             return
         exc = future.exception()
         if exc is None:
@@ -718,7 +764,11 @@ class Pipeline(LinkSink):
             self._serve_waiting()
 
     def _end_run(self, run: _Run) -> int | None:
-        """Stop an ended job's run; the token of the SEND to release its buffers after."""
+        """Stop an ended job's run; the token of the SEND to release its buffers after.
+
+        What it waits for and has not begun is dropped: a worker call, its turn for a
+        storage slot.
+        """
         job = run.job
         self._run_of.pop(job.job_id, None)
         if run.gen is not None:
@@ -726,6 +776,11 @@ class Pipeline(LinkSink):
         if run.timer is not None:
             run.timer.cancel()
             run.timer = None
+        if run.call is not None:
+            run.call.cancel()  # a worker call not started is dropped (`done` still comes)
+        if run.waits_for_storage:
+            run.waits_for_storage = False
+            self._storage_waiting.remove(run)
         if job.origin is Origin.CAPSULE and run.buffers and not self.failed:
             run.pending += 1
             return run.token  # the SEND covers the job's last WRITE: release after it
@@ -741,6 +796,20 @@ class Pipeline(LinkSink):
         if run.buffers and not self.closed:
             buffers, run.buffers = run.buffers, []
             self._staging.give_back(buffers)
+        if run.storage_slot:
+            run.storage_slot = False
+            self.storage_free += 1
+            self._serve_storage_waiting()
+
+    def _serve_storage_waiting(self) -> None:
+        """Hand free storage slots to the runs waiting for one, in order."""
+        waiting = self._storage_waiting
+        while waiting and self.storage_free:
+            run = waiting.popleft()
+            run.waits_for_storage = False
+            self.storage_free -= 1
+            run.storage_slot = True
+            self._stage(run)
 
     def _retain(self, job: JobRecord) -> None:
         retained = self.retained

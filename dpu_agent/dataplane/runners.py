@@ -161,6 +161,18 @@ def buffers_needed(job: JobRecord) -> tuple[int, int]:
     return largest, 1
 
 
+STORAGE_KINDS: Final = frozenset(
+    {JobKind.VOLUME_WRITE, JobKind.VOLUME_READ, JobKind.VOLUME_FLUSH, JobKind.VOLUME_TRIM}
+)
+"""Kinds whose runner calls the volume store (`Io`, `BatchWrite`).
+
+A runner has one storage call in flight at a time, and the pipeline gives each such job
+one of its session's `queue_depth` storage slots before it starts: the slot comes back
+once the job ended and its call returned, so a session never has more than
+`queue_depth` calls queued or running, also when its jobs end before their calls do.
+"""
+
+
 def _chunks(total: int, step: int) -> list[tuple[int, int]]:
     return [(offset, min(step, total - offset)) for offset in range(0, total, step)]
 
