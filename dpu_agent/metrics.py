@@ -37,6 +37,11 @@ with the agent):
                                                a second when idle, one per wake-up
                                                under load (a rate far above the job
                                                rate on an idle agent means it spins)
+    dataplane_offload_waiting{pool}            gauge: job steps waiting for a worker
+                                               thread, pool compute or io (a session
+                                               has at most queue_depth storage calls
+                                               in the io pool)
+    dataplane_offload_waiting_peak{pool}       gauge: the most that ever waited at once
     sessions_opened_total{transport}
     sessions_closed_total{reason}              closed (CloseSession); orphaned: the
                                                host is gone (no host watched it for
@@ -352,7 +357,22 @@ class _StateCollector(Collector):
         for name, count in sorted(open_by.items()):
             sessions.add_metric([name], count)
         links, passes = manager.reactor_load()
+        waiting = GaugeMetricFamily(
+            f"{PREFIX}_dataplane_offload_waiting",
+            "Job steps waiting for a worker thread",
+            labels=["pool"],
+        )
+        peak = GaugeMetricFamily(
+            f"{PREFIX}_dataplane_offload_waiting_peak",
+            "The most job steps that ever waited for a worker thread at once",
+            labels=["pool"],
+        )
+        for pool, (now, most) in sorted(manager.offload_load().items()):
+            waiting.add_metric([pool], now)
+            peak.add_metric([pool], most)
         return [
+            waiting,
+            peak,
             sessions,
             GaugeMetricFamily(
                 f"{PREFIX}_jobs_in_flight", "Jobs admitted and not finished", value=in_flight

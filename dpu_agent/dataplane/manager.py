@@ -335,6 +335,10 @@ class SessionManager:
         """(links the data-plane reactor drives, passes it has made): for the metrics."""
         return self._reactor.links, self._reactor.passes
 
+    def offload_load(self) -> dict[str, tuple[int, int]]:
+        """Per worker pool (compute, io): (calls waiting, the most that ever waited)."""
+        return self._reactor.offload_load()
+
     def telemetry(self) -> dict[str, object]:
         """How many sessions, by state, and their open jobs and counters (a snapshot).
 

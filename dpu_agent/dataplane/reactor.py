@@ -222,6 +222,13 @@ class Reactor:
         """How many links the loop drives (any thread may read it)."""
         return len(self._by_link)
 
+    def offload_load(self) -> dict[str, tuple[int, int]]:
+        """Per worker pool (compute, io): (calls waiting now, the most that ever waited)."""
+        return {
+            "compute": (self._compute.waiting, self._compute.peak_waiting),
+            "io": (self._io.waiting, self._io.peak_waiting),
+        }
+
     @property
     def in_thread(self) -> bool:
         """Whether the caller runs on the reactor thread."""

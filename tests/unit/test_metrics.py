@@ -173,6 +173,9 @@ async def test_sessions_and_jobs_move_the_gauges_and_counters(manager):
     await wait_until(lambda: value(m, "dpu_agent_dataplane_links") == 1)  # once connected
     passes = value(m, "dpu_agent_reactor_passes_total") or 0.0
     assert passes > 0
+    for pool in ("compute", "io"):
+        assert value(m, "dpu_agent_dataplane_offload_waiting", pool=pool) == 0
+        assert value(m, "dpu_agent_dataplane_offload_waiting_peak", pool=pool) == 0
 
     region = host.register(10_000, Access.REMOTE_READ)
     region.view[:] = bytes(range(100)) * 100
