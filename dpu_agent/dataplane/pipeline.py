@@ -235,6 +235,7 @@ class Pipeline(LinkSink):
         # storage slots (see the module docstring): free ones, and runs waiting for one
         self.storage_free = queue_depth
         self._storage_waiting: collections.deque[_Run] = collections.deque()
+        self._serving_storage = False
         self._sweeper: Timer | None = None
         self.failed = False
         self.closed = False
@@ -802,14 +803,25 @@ class Pipeline(LinkSink):
             self._serve_storage_waiting()
 
     def _serve_storage_waiting(self) -> None:
-        """Hand free storage slots to the runs waiting for one, in order."""
+        """Hand free storage slots to the runs waiting for one, in order.
+
+        Not again from inside: a run started here that ends at once (its volume is gone)
+        frees its slot, and this loop hands it on, where a nested call per run would
+        exhaust the stack with a long queue.
+        """
+        if self._serving_storage:
+            return
+        self._serving_storage = True
         waiting = self._storage_waiting
-        while waiting and self.storage_free:
-            run = waiting.popleft()
-            run.waits_for_storage = False
-            self.storage_free -= 1
-            run.storage_slot = True
-            self._stage(run)
+        try:
+            while waiting and self.storage_free:
+                run = waiting.popleft()
+                run.waits_for_storage = False
+                self.storage_free -= 1
+                run.storage_slot = True
+                self._stage(run)
+        finally:
+            self._serving_storage = False
 
     def _retain(self, job: JobRecord) -> None:
         retained = self.retained

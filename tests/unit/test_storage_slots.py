@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from dpu_agent.dataplane import pipeline
 from dpu_agent.dataplane.jobs import JobState
 from dpu_agent.dataplane.regions import RegionTable
+from dpu_agent.errors import NotFound
 from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
@@ -75,7 +76,12 @@ class _Hooks:
 class _Store:
     """A volume store whose calls the storage workers make (they never run here)."""
 
+    def __init__(self) -> None:
+        self.gone = False  # the volume was deleted: every job fails as it starts
+
     def throttle(self, _volume_id: str, _op: str, _nbytes: int) -> float:
+        if self.gone:
+            raise NotFound("the volume is gone")
         return 0.0
 
     def trim(self, _volume_id: str, _offset: int, _length: int) -> None:
@@ -141,15 +147,17 @@ class _Timer:
         pass
 
 
-def _pipeline(link: _Link, reactor: _Reactor) -> pipeline.Pipeline:
+def _pipeline(
+    link: _Link, reactor: _Reactor, *, store: _Store | None = None, queue_depth: int = QD
+) -> pipeline.Pipeline:
     return pipeline.Pipeline(
         hooks=cast("pipeline.SessionHooks", _Hooks()),
         link=cast("AgentLink", link),
         reactor=cast("Reactor", reactor),
         staging=cast("Staging", None),  # trims take no staging buffer
         regions=RegionTable(),
-        storage=cast("Storage", _Store()),
-        queue_depth=QD,
+        storage=cast("Storage", store or _Store()),
+        queue_depth=queue_depth,
         default_deadline=30.0,
     )
 
@@ -217,6 +225,28 @@ def test_a_job_waits_queued_for_a_storage_slot_and_obeys_cancel_and_its_deadline
     assert pipe.open[12].state == JobState.RUNNING
     assert len(reactor.calls) == QD + 1
     assert reactor.outstanding == QD
+
+
+def test_a_long_queue_of_jobs_that_fail_as_they_start_is_served_in_one_loop():
+    """1024 jobs wait for a slot; their volume is gone, so each fails as it gets one and
+    hands its slot on at once: one loop serves them all, no recursion per job."""
+    depth = 1024
+    link, reactor, store = _Link(), _Reactor(), _Store()
+    pipe = _pipeline(link, reactor, store=store, queue_depth=depth)
+    for job_id in range(1, depth + 1):
+        pipe.on_capsule(_trim(job_id))
+        reactor.start_all()
+        pipe.on_capsule(_cancel(job_id))
+    for job_id in range(depth + 1, 2 * depth + 1):
+        pipe.on_capsule(_trim(job_id))
+    store.gone = True
+    reactor.finish(1)
+    reactor.run_inbox()
+    assert not pipe.open
+    assert link.replies()[-depth:] == [
+        (j, State.FAILED, 5) for j in range(depth + 1, 2 * depth + 1)
+    ]
+    assert pipe.storage_free == 1  # the other calls still run
 
 
 def test_an_ended_jobs_storage_call_that_has_not_started_is_dropped():
