@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 _Queue = collections.OrderedDict["concurrent.futures.Future[Any]", "Callable[[], Any]"]
+_STOP: Final = object()  # a token that ends the worker taking it
 
 
 class FairPool:
@@ -40,12 +42,15 @@ class FairPool:
         self.workers = workers
         self.name = name
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
         # the keys that have calls waiting, in the order they are served next
         self._queues: collections.OrderedDict[Hashable, _Queue] = collections.OrderedDict()
+        # one token per call submitted, and _STOP per worker once closed: an idle worker
+        # blocks here, in C, which wakes it far sooner than a Condition (a token whose
+        # call was cancelled finds nothing, or a later call: harmless)
+        self._tokens: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._threads: set[threading.Thread] = set()
         self._started = 0  # threads started so far (for their names)
-        self._idle = 0  # threads waiting for a call
+        self._idle = 0  # threads waiting for a token
         self._closed = False
         self.waiting = 0  # calls not started yet
         self.running = 0  # calls a worker runs now
@@ -65,7 +70,7 @@ class FairPool:
             self.peak_waiting = max(self.peak_waiting, self.waiting)
             if self.waiting > self._idle and len(self._threads) < self.workers:
                 self._start_worker()
-            self._ready.notify()
+        self._tokens.put(None)
         future.add_done_callback(lambda f: self._forget(key, f))
         return future
 
@@ -93,7 +98,8 @@ class FairPool:
             dropped = [future for queue in self._queues.values() for future in queue]
             self._queues.clear()
             self.waiting = 0
-            self._ready.notify_all()
+            for _ in self._threads:
+                self._tokens.put(_STOP)
         for future in dropped:  # taken out of their queues here: notified here
             future.cancel()
             future.set_running_or_notify_cancel()
@@ -135,16 +141,12 @@ class FairPool:
         future.set_running_or_notify_cancel()  # for `concurrent.futures.wait`: False
 
     def _next(self) -> tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None:
-        """The next call, the keys taken in turn; None once shut down (the lock is held)."""
-        while not self._queues:
-            if self._closed:
-                return None
-            self._idle += 1
-            self._ready.wait()
-            self._idle -= 1
-        key, queue = next(iter(self._queues.items()))
-        call = queue.popitem(last=False)
-        if queue:
+        """The next call, the keys taken in turn (the lock is held)."""
+        if not self._queues:
+            return None  # the token of a call cancelled since
+        key, calls = next(iter(self._queues.items()))
+        call = calls.popitem(last=False)
+        if calls:
             self._queues.move_to_end(key)  # its next call after one of each other key's
         else:
             del self._queues[key]
@@ -153,20 +155,29 @@ class FairPool:
         return call
 
     def _work(self) -> None:
+        lock, tokens = self._lock, self._tokens
+        with lock:
+            self._idle += 1
         while True:
-            with self._lock:
-                call = self._next()
-                if call is None:
+            token = tokens.get()
+            with lock:
+                self._idle -= 1
+                if token is _STOP:
                     self._threads.discard(threading.current_thread())
                     return
+                call = self._next()
+                if call is None:
+                    self._idle += 1
+                    continue
             future, fn = call
             del call
             try:
                 _run(future, fn)
             finally:
                 del future, fn  # hold nothing of it while waiting for the next
-                with self._lock:
+                with lock:
                     self.running -= 1
+                    self._idle += 1
 
 
 def _run(future: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:
