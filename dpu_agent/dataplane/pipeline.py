@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from dpu_agent.dataplane.reactor import Reactor, Timer
     from dpu_agent.dataplane.regions import RegionTable
     from dpu_agent.dataplane.runners import Op, Storage
-    from dpu_agent.dataplane.staging import Buffer, Staging
+    from dpu_agent.dataplane.staging import Buffer, Staging, Waiter
     from dpu_wire.transport.base import AgentLink
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,7 @@ class _Run:
         "group",
         "job",
         "pending",
+        "staging_wait",
         "storage_slot",
         "timer",
         "token",
@@ -186,6 +187,7 @@ class _Run:
         self.call: concurrent.futures.Future[Any] | None = None  # its worker call
         self.storage_slot = False  # holds one of the session's storage slots
         self.waits_for_storage = False  # in the pipeline's queue for one
+        self.staging_wait: Waiter | None = None  # its place in staging's queue
 
 
 class Pipeline(LinkSink):
@@ -473,7 +475,9 @@ class Pipeline(LinkSink):
             size = self._staging.pool_for(largest)
             if pipelined(run.job, size) and self._staging.capacity(size) >= PIPELINED:
                 count = PIPELINED
-            self._staging.take(size, count, lambda buffers: self._launch(run, buffers))
+            run.staging_wait = self._staging.take(
+                size, count, lambda buffers: self._launch(run, buffers)
+            )
         else:
             self._launch(run, [])
 
@@ -539,6 +543,7 @@ class Pipeline(LinkSink):
     def _launch(self, run: _Run, buffers: list[Buffer]) -> None:
         job = run.job
         run.buffers = buffers
+        run.staging_wait = None
         if job.done:  # ended while it waited for memory
             self._release(run)
             return
@@ -782,6 +787,9 @@ class Pipeline(LinkSink):
         if run.waits_for_storage:
             run.waits_for_storage = False
             self._storage_waiting.remove(run)
+        if run.staging_wait is not None:  # its buffers never came: it stops waiting
+            self._staging.forget(run.staging_wait)
+            run.staging_wait = None
         if job.origin is Origin.CAPSULE and run.buffers and not self.failed:
             run.pending += 1
             return run.token  # the SEND covers the job's last WRITE: release after it

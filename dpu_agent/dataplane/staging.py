@@ -16,6 +16,7 @@ another job already uses.
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 if TYPE_CHECKING:
@@ -40,15 +41,23 @@ class Buffer(NamedTuple):
         return self.region.view[self.offset : self.offset + self.size]
 
 
+class Waiter:
+    """A job waiting for `count` buffers: `ready` gets them."""
+
+    __slots__ = ("count", "ready")
+
+    def __init__(self, count: int, ready: Callable[[list[Buffer]], None]) -> None:
+        self.count = count
+        self.ready = ready
+
+
 class _Pool:
     def __init__(self, link: AgentLink, count: int, size: int) -> None:
         self.size = size
         self.count = count
         self.region = link.staging(count * size)
         self.free = [Buffer(self.region, i * size, size) for i in range(count)]
-        self.waiting: collections.deque[tuple[int, Callable[[list[Buffer]], None]]] = (
-            collections.deque()
-        )
+        self.waiting: collections.deque[Waiter] = collections.deque()
 
 
 class Staging:
@@ -60,6 +69,7 @@ class Staging:
         small = min(2 * queue_depth, MAX_SMALL)
         self._small = _Pool(link, small, min(SMALL, chunk_size))
         self._large = _Pool(link, max(1, large), chunk_size)
+        self._serving = False  # give_back is serving waiters
         self.pinned = sum(pool.count * pool.size for pool in (self._small, self._large))
 
     def pool_for(self, largest_transfer: int) -> int:
@@ -76,29 +86,55 @@ class Staging:
         """How many buffers of `size` (a `pool_for` answer) the session has in all."""
         return self._pool(size).count
 
-    def take(self, size: int, count: int, ready: Callable[[list[Buffer]], None]) -> None:
-        """Hand `count` buffers of `size` to `ready` now, or as soon as they are free."""
+    def take(self, size: int, count: int, ready: Callable[[list[Buffer]], None]) -> Waiter | None:
+        """Hand `count` buffers of `size` to `ready` now, or as soon as they are free.
+
+        Returns None when `ready` got them at once, else its place in the queue, for
+        `forget` if it stops waiting.
+        """
         pool = self._pool(size)
         if not pool.waiting and len(pool.free) >= count:
             ready([pool.free.pop() for _ in range(count)])
-        else:
-            pool.waiting.append((count, ready))
+            return None
+        waiter = Waiter(count, ready)
+        pool.waiting.append(waiter)
+        return waiter
+
+    def forget(self, waiter: Waiter) -> None:
+        """Take a waiter out of its queue (its job ended before its turn came)."""
+        for pool in (self._small, self._large):
+            with contextlib.suppress(ValueError):
+                pool.waiting.remove(waiter)
+                return
 
     def give_back(self, buffers: list[Buffer]) -> None:
-        """Return buffers no operation uses any more; serve who waits, in order."""
+        """Return buffers no operation uses any more; serve who waits, in order.
+
+        Not again from inside: a job served here may end at once and give its buffers
+        back, and the loop here hands them on, where a nested call per job would
+        exhaust the stack with a long queue.
+        """
         for buffer in buffers:
             self._pool(buffer.size).free.append(buffer)
-        for pool in (self._small, self._large):
-            while pool.waiting and len(pool.free) >= pool.waiting[0][0]:
-                count, ready = pool.waiting.popleft()
-                ready([pool.free.pop() for _ in range(count)])
+        if self._serving:
+            return
+        self._serving = True
+        try:
+            served = True
+            while served:
+                served = False
+                for pool in (self._small, self._large):
+                    while pool.waiting and len(pool.free) >= pool.waiting[0].count:
+                        waiter = pool.waiting.popleft()
+                        waiter.ready([pool.free.pop() for _ in range(waiter.count)])
+                        served = True
+        finally:
+            self._serving = False
 
-    def drop_waiters(self) -> list[Callable[[list[Buffer]], None]]:
-        """Forget who waits (the session is closing); return them."""
-        dropped = [ready for pool in (self._small, self._large) for _, ready in pool.waiting]
+    def drop_waiters(self) -> None:
+        """Forget who waits (the session is closing)."""
         for pool in (self._small, self._large):
             pool.waiting.clear()
-        return dropped
 
     def close(self) -> None:
         """Release the regions (the link is closed, or nothing is in flight)."""
