@@ -8,8 +8,12 @@ and runs a loop:
    nothing needs polling, or not at all while a verbs link is hot;
 2. run what other threads handed over (`call`): new sessions, SubmitJob requests,
    finished worker-thread work, close requests;
-3. poll every hot link: completions and capsules go to the link's sink (the session),
-   which advances its jobs and posts their next operations right away;
+3. poll every hot link, in turn, for at most `POLL_BUDGET` completions and capsules
+   each: they go to the link's sink (the session), which advances its jobs and posts
+   their next operations right away. The budget is what keeps sessions apart: a host
+   that floods its link with capsules gets the same share of each pass as every other
+   hot link, and the rest of its flood waits (in the link, then in the kernel's
+   socket buffer, then in the host: TCP flow control);
 4. run due timers (deadlines, QoS waits);
 5. give every session touched in this pass one call to finish the pass (flush the
    link, publish the jobs that finished; a tcp link's owner gets another call at once
@@ -23,7 +27,8 @@ pure event mode, a negative `spin` never sleeps). The window follows the link's
 traffic: a link woken after sleeping less than `SPIN_GROWTH` times `spin` stays polled for
 twice that sleep next time (so a client whose jobs come a few milliseconds apart, as on
 a slow or loaded machine, is not put to sleep between every two of them), and one that
-slept longer goes back to `spin`. A tcp link is driven by its socket's readiness.
+slept longer goes back to `spin`. A tcp link is driven by its socket's readiness, and
+polled again at once while frames it read in one go wait for their turn (`backlog`).
 
 CPU-heavy work (compression, encryption, hashing of large chunks) runs on a small pool
 of worker threads whose libraries release the GIL; blocking storage calls (syncs,
@@ -504,6 +509,9 @@ class Reactor:
             if entry.removed:
                 continue
             if link.error is None:
+                if link.backlog:  # frames it read wait (tcp): no readiness reports them
+                    keep.append(entry)
+                    continue
                 if entry.polls and (
                     link.outstanding
                     or self.spin < 0

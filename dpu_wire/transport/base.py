@@ -238,6 +238,17 @@ class AgentLink(abc.ABC):
     def poll(self, sink: LinkSink, budget: int) -> int:
         """Take up to about `budget` completions and capsules; return how many."""
 
+    @property
+    def backlog(self) -> bool:
+        """Whether work already taken off the wire waits for the next `poll`.
+
+        tcp: frames one read brought beyond a poll's budget wait in the link's buffer,
+        and the descriptor's readiness will not report them, so the reactor polls the
+        link again while this is true. verbs: never (what `poll` leaves stays in the
+        completion queues, which the reactor polls while they may hold some).
+        """
+        return False
+
     @abc.abstractmethod
     def arm(self, sink: LinkSink) -> bool:
         """Prepare to sleep on `fileno()`; False if work arrived meanwhile (given to `sink`)."""

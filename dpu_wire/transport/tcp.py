@@ -144,9 +144,10 @@ class FrameHandler:
 class FrameStream:
     """Frames over a non-blocking socket: batched receive and scatter-gather send.
 
-    Receiving reads as much as the socket has into a buffer and parses every frame in
-    it; a payload goes to the target the handler names, copied from the buffer or read
-    into the target directly when it is large. Sending queues headers and payload
+    Receiving reads as much as the socket has into a buffer and parses the frames in it,
+    as many as the caller's limit allows (the rest wait in the buffer, `pending`); a
+    payload goes to the target the handler names, copied from the buffer or read into
+    the target directly when it is large. Sending queues headers and payload
     views and writes them with `sendmsg`, many frames per call, keeping each frame's
     header and payload contiguous in the stream. Not thread-safe: one owner.
     """
@@ -173,17 +174,22 @@ class FrameStream:
 
     # -- receive
 
-    def receive(self, budget: int = 1 << 20) -> int:
-        """Read what the socket has (about `budget` bytes at most); return frames handled.
+    def receive(self, budget: int = 1 << 20, limit: int = 1 << 30) -> int:
+        """Handle at most `limit` frames, reading about `budget` bytes at most; return how many.
 
-        A read shorter than the room offered means the socket is drained: it returns
-        then, and the caller's level-triggered readiness wait reports what comes next.
-        Raises PeerClosed at end of stream, TransportError on a socket error or a frame
-        the handler refuses.
+        Frames received beyond `limit` stay in the buffer and are handled first by the
+        next call, before it reads the socket again. The socket's readiness does not
+        report them (their bytes left the kernel): a caller that passes a limit calls
+        again while `pending` says so. A read shorter than the room offered means the
+        socket is drained: it returns then, and the caller's level-triggered readiness
+        wait reports what comes next. Raises PeerClosed at end of stream,
+        TransportError on a socket error or a frame the handler refuses.
         """
-        frames = 0
+        frames = self._parse(limit) if self.pending else 0
         received = 0
-        while received < budget:
+        while frames < limit and received < budget:
+            # Here the buffer holds less than a frame header: `_parse` stops short of
+            # its limit only then, or inside a payload that took every buffered byte.
             if self._target is not None and self._got < len(self._target) and not self._buffered:
                 want = len(self._target) - self._got
                 n = self._recv_into(self._target[self._got :])  # large payload: no copy
@@ -196,9 +202,7 @@ class FrameStream:
                 if n < want:  # drained: the caller's readiness wait reports what comes next
                     return frames
                 continue
-            if self._start == self._end:
-                self._start = self._end = 0
-            elif len(self._rx) - self._end < FRAME.size:  # move the tail to the front
+            if self._start:  # move the piece of a header to the front (< 24 bytes)
                 tail = self._end - self._start
                 self._rx[:tail] = self._rx[self._start : self._end]
                 self._start, self._end = 0, tail
@@ -208,10 +212,23 @@ class FrameStream:
                 return frames
             received += n
             self._end += n
-            frames += self._parse()
+            frames += self._parse(limit - frames)
             if n < want:  # drained (saves a recv that fails with EAGAIN, and its exception)
                 return frames
         return frames
+
+    @property
+    def pending(self) -> bool:
+        """Whether received bytes wait that `receive` can handle without reading the socket.
+
+        True only after a `receive` stopped at its limit: then the next one goes on from
+        the buffer, and nothing else (the socket's readiness) says it should be called.
+        """
+        if self.closed:
+            return False
+        if self._target is not None or self._discard:
+            return self._buffered > 0
+        return self._buffered >= FRAME.size
 
     @property
     def _buffered(self) -> int:
@@ -230,10 +247,10 @@ class FrameStream:
             raise PeerClosed("tcp data plane closed by the peer")
         return n
 
-    def _parse(self) -> int:
-        """Handle the frames in the buffer; return how many finished."""
+    def _parse(self, limit: int) -> int:
+        """Handle the frames in the buffer, `limit` at most; return how many finished."""
         frames = 0
-        while True:
+        while frames < limit:
             if self._discard or self._target is not None:
                 finished = self._feed_payload()
                 if not finished:
@@ -260,6 +277,7 @@ class FrameStream:
             self._target, self._got, self._discard = target, 0, 0 if target is not None else length
             if not length:
                 frames += self._finish_payload()
+        return frames
 
     def _feed_payload(self) -> int:
         """Move buffered bytes into the pending payload; 1 if it is now whole, else 0."""
@@ -632,13 +650,22 @@ class TcpAgentLink(AgentLink, FrameHandler):
         except TransportError as exc:
             self._fail(exc)
 
+    @property
+    def backlog(self) -> bool:
+        """Frames received and not handled yet (`poll` took its budget): poll again."""
+        return self.error is None and self._stream.pending
+
     def poll(self, sink: LinkSink, budget: int) -> int:
-        """Read and handle what arrived; report finished sends and failures."""
+        """Handle up to `budget` frames; report finished sends and failures.
+
+        One read of the socket may bring many more frames than that (64 KiB of them);
+        those wait in the stream's buffer for the next polls (`backlog`).
+        """
         taken = 0
         if self.error is None:
             self._sink = sink
             try:
-                taken = self._stream.receive(budget * MAX_CAPSULE)
+                taken = self._stream.receive(budget * MAX_CAPSULE, budget)
             except TransportError as exc:
                 self._fail(exc)
             finally:
