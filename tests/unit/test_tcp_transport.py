@@ -7,8 +7,11 @@ loop, as in the agent and the SDK.
 import asyncio
 import functools
 import os
+import random
+import select
 import socket
 import struct
+import threading
 
 import pytest
 import pytest_asyncio
@@ -286,6 +289,115 @@ async def test_many_frames_per_system_call():
             link._stream.queue(tcp.pack(tcp.FrameType.CAPSULE, length=len(capsule)), capsule)
         link._flush()
         assert [await agent.recv() for _ in capsules] == capsules
+        await agent.close()
+        await host.close()
+
+
+class _Capsules:
+    """A LinkSink that keeps the capsules it is handed."""
+
+    def __init__(self) -> None:
+        self.capsules: list[bytes] = []
+
+    def on_capsule(self, data: memoryview) -> None:
+        self.capsules.append(bytes(data))
+
+    def on_done(self, token: int, error: TransportError | None) -> None:
+        raise AssertionError(f"no operation was posted (token {token}, {error})")
+
+
+async def test_a_poll_hands_over_at_most_its_budget_and_the_rest_on_later_polls():
+    """One read of the socket brings a whole burst (64 KiB of small capsules, 1500 here);
+    a poll hands over `budget` of them, and the others wait in the link for the next
+    polls (`backlog`), in order, none lost: the reactor's per-pass budget holds."""
+    mine, peer = socket.socketpair()
+    link = tcp.TcpAgentLink(mine, tcp.new_token())
+    capsules = [struct.pack("<QQ", i, ~i & 0xFFFF_FFFF_FFFF_FFFF) for i in range(1500)]
+    peer.sendall(b"".join(tcp.pack(tcp.FrameType.CAPSULE, length=16) + c for c in capsules))
+    sink = _Capsules()
+    budget = 64
+    handed: list[int] = []
+    for _ in range(len(capsules) // budget + 1):
+        before = len(sink.capsules)
+        assert link.poll(sink, budget) == len(sink.capsules) - before
+        handed.append(len(sink.capsules) - before)
+        assert handed[-1] <= budget
+        assert link.backlog == (len(sink.capsules) < len(capsules))
+    assert sink.capsules == capsules
+    assert handed == [budget] * (len(capsules) // budget) + [len(capsules) % budget]
+    assert link.poll(sink, budget) == 0  # the socket is drained too
+    assert not link.backlog
+    link.close()
+    peer.close()
+
+
+class _Recorder(tcp.FrameHandler):
+    """Frames as a FrameStream hands them over: READ_RESP payloads into fresh buffers
+    (large ones are read straight into them), WRITE payloads discarded."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[int, int, bytes | None]] = []
+
+    def payload_target(self, frame: tcp.Frame) -> memoryview | None:
+        if frame.kind == tcp.FrameType.WRITE:
+            return None
+        return memoryview(bytearray(frame.length))
+
+    def on_frame(self, frame: tcp.Frame, payload: memoryview | None) -> None:
+        self.frames.append((frame.kind, frame.req_id, None if payload is None else bytes(payload)))
+
+
+@pytest.mark.parametrize("limit", [1, 7, 64])
+async def test_a_limited_receive_loses_and_reorders_nothing(limit):
+    """Whatever the limit and wherever it falls (in a buffered burst, before a payload
+    read straight into its target, before one to discard), the frames come out whole
+    and in order, `limit` at most per call; `pending` says when the buffer still holds
+    some that no readiness of the socket would report."""
+    rng = random.Random(limit)  # noqa: S311 - test data, not secrets
+    kinds = [tcp.FrameType.CAPSULE, tcp.FrameType.WRITE_ACK, tcp.FrameType.WRITE]
+    expected: list[tuple[int, int, bytes | None]] = []
+    wire = bytearray()
+    for i in range(1, 3001):
+        kind = tcp.FrameType.READ_RESP if i % 500 == 0 else rng.choice(kinds)
+        size = {tcp.FrameType.WRITE_ACK: 0, tcp.FrameType.READ_RESP: 150_000}.get(kind)
+        payload = rng.randbytes(rng.randrange(0, 257) if size is None else size)
+        wire += tcp.pack(kind, 0, i, length=len(payload)) + payload
+        kept = kind in {tcp.FrameType.CAPSULE, tcp.FrameType.READ_RESP}
+        expected.append((kind, i, payload if kept else None))
+    mine, peer = socket.socketpair()
+    handler = _Recorder()
+    stream = tcp.FrameStream(mine, handler)
+    sender = threading.Thread(target=peer.sendall, args=(bytes(wire),))
+    sender.start()
+    while True:
+        before = len(handler.frames)
+        assert stream.receive(limit=limit) == len(handler.frames) - before <= limit
+        if len(handler.frames) == len(expected):
+            break
+        if not stream.pending:
+            assert select.select([mine], [], [], 10)[0], "frames are lost"
+    sender.join()
+    assert handler.frames == expected
+    assert not stream.pending
+    stream.close()
+    peer.close()
+
+
+async def test_frames_read_in_one_go_beyond_the_budget_all_arrive():
+    """A burst that one read takes whole (1000 small capsules, about 40 KiB) and then
+    nothing more: the socket's readiness never reports what the first pass left in the
+    link's buffer, so the reactor must poll the link again by itself."""
+    async with reactor() as r:
+        host, agent = await tcp_pair(r)
+        link = host.link
+        assert isinstance(link, tcp.TcpHostLink)
+        assert link._stream is not None
+        capsules = [struct.pack("<QQ", i, i) for i in range(1000)]
+        for capsule in capsules:
+            link._stream.queue(tcp.pack(tcp.FrameType.CAPSULE, length=len(capsule)), capsule)
+        link._flush()
+        got = [await asyncio.wait_for(agent.recv(), 10) for _ in capsules]
+        assert got == capsules
         await agent.close()
         await host.close()
 
