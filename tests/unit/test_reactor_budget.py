@@ -1,0 +1,151 @@
+"""The reactor serves hot links in turn, `POLL_BUDGET` each per pass, and polls a link
+again by itself while it holds work it already took off the wire (`backlog`).
+
+The links here are stand-ins that hold a backlog of capsules and hand over at most the
+budget per poll, as a tcp link does with the frames one read of its socket brought; the
+real tcp link's side is in test_tcp_transport.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from typing import TYPE_CHECKING
+
+from dpu_agent.dataplane.reactor import POLL_BUDGET, Reactor
+from dpu_wire.transport.base import AgentLink, LinkSink, PeerAddress, Region, TransportError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+class _BacklogLink(AgentLink):
+    """A readiness-driven link whose capsules are all in its buffer from the start: its
+    descriptor is readable once (the read that brought them), and never again."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.error = None
+        self._fd = os.eventfd(1, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._waiting = [f"{name}{i}".encode() for i in range(count)]
+
+    @property
+    def address(self) -> PeerAddress | None:
+        return None
+
+    def staging(self, length: int) -> Region:
+        raise NotImplementedError
+
+    def release(self, region: Region) -> None:
+        raise NotImplementedError
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def on_event(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._fd)
+
+    @property
+    def outstanding(self) -> int:
+        return 0
+
+    def room(self) -> int:
+        return 0
+
+    def post_read(
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int
+    ) -> None:
+        raise NotImplementedError
+
+    def post_write(
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int | None
+    ) -> None:
+        raise NotImplementedError
+
+    def post_send(self, capsule: bytes, token: int | None = None) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def poll(self, sink: LinkSink, budget: int) -> int:
+        taken, self._waiting = self._waiting[:budget], self._waiting[budget:]
+        for capsule in taken:
+            sink.on_capsule(memoryview(capsule))
+        return len(taken)
+
+    @property
+    def backlog(self) -> bool:
+        return bool(self._waiting)
+
+    def arm(self, sink: LinkSink) -> bool:  # noqa: ARG002 - nothing slips in
+        return True
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class _Owner(LinkSink):
+    """A session: records which link each capsule came from, in the order handed over."""
+
+    def __init__(self, name: str, order: list[str], done: Callable[[], None]) -> None:
+        self.name = name
+        self._order = order
+        self._done = done
+
+    @property
+    def sink(self) -> LinkSink:
+        return self
+
+    def end_pass(self) -> None:
+        pass
+
+    def link_failed(self) -> None:
+        pass
+
+    def on_capsule(self, data: memoryview) -> None:
+        assert bytes(data).startswith(self.name.encode())
+        self._order.append(self.name)
+        self._done()
+
+    def on_done(self, token: int, error: TransportError | None) -> None:
+        raise AssertionError(f"nothing was posted ({token}, {error})")
+
+
+def test_hot_links_take_turns_of_one_budget_and_no_capsule_is_stranded():
+    """A: a backlog of ten budgets and a bit, B: three and a bit, both readable once.
+    Each pass polls A, then B, a budget each: B never waits behind more than one budget
+    of A's, and once B's backlog is gone A goes on alone until its own is. Every capsule
+    is handed over although neither descriptor becomes readable again."""
+    a_count, b_count = 10 * POLL_BUDGET + 5, 3 * POLL_BUDGET + 7
+    order: list[str] = []
+    all_in = threading.Event()
+
+    def done() -> None:
+        if len(order) == a_count + b_count:
+            all_in.set()
+
+    reactor = Reactor(spin=0.002, compute_workers=1, io_workers=1)
+    links = {"A": _BacklogLink("A", a_count), "B": _BacklogLink("B", b_count)}
+    owners = {name: _Owner(name, order, done) for name in links}
+    reactor.start()
+    try:
+
+        def add_both() -> None:  # in one pass: both hot from the same one
+            for name, link in links.items():
+                reactor.add(link, owners[name])
+
+        reactor.call(add_both)
+        assert all_in.wait(10), f"stranded: {len(order)} of {a_count + b_count} handed over"
+    finally:
+        reactor.stop(timeout=5)
+        for link in links.values():
+            link.close()
+    runs = [(name, len(list(run))) for name, run in itertools.groupby(order)]
+    assert runs == [("A", POLL_BUDGET), ("B", POLL_BUDGET)] * 3 + [
+        ("A", POLL_BUDGET),
+        ("B", 7),
+        ("A", a_count - 4 * POLL_BUDGET),
+    ]
