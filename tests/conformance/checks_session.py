@@ -4,6 +4,7 @@ regions, volumes, keys, CloseSession."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import re
 import socket
@@ -19,6 +20,7 @@ from tests.conformance.rawtcp import READ, WRITE, RawTcpHost
 from tests.conformance.shutdown import shutdown_scenario
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 VERBS_OK = {
     "gid": bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 1]),
     "qp_num": 17,
@@ -159,16 +161,16 @@ async def limits(ctx: Ctx) -> None:
 
 
 async def failed_connect_leaves_nothing(ctx: Ctx) -> None:
-    """DP-1.1-9 (tcp: an RC connect fails only on local errors)."""
+    """DP-1.1-9: tcp, a closed port; verbs, a host address nobody answers ARP for."""
     stubs = ctx.stubs()
     listing = session_pb2.ListSessionsRequest(page_size=1000)
     before = {s.name for s in (await stubs.sessions.ListSessions(listing)).sessions}
-    closed = _closed_port()
+    if ctx.tcp:
+        endpoint = tcp_endpoint(port=_closed_port(), token=os.urandom(32))
+    else:
+        endpoint = verbs_endpoint(gid=silent_gids(ctx, 1)[0])
     error = await error_of(
-        stubs.sessions.OpenSession(
-            ctx.request(ctx.host(), host_endpoint=tcp_endpoint(port=closed, token=os.urandom(32))),
-            timeout=30,
-        )
+        stubs.sessions.OpenSession(ctx.request(ctx.host(), host_endpoint=endpoint), timeout=30)
     )
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     after = {s.name for s in (await stubs.sessions.ListSessions(listing)).sessions}
@@ -206,6 +208,125 @@ async def rts_before_the_answer(ctx: Ctx) -> None:
     src = await session.region(4096, READ, fill=data)
     done = await session.run(wire.Kind.CRC32C, src.span())
     assert done.ok, done
+
+
+def mapped(ip: str) -> bytes:
+    """The IPv4-mapped GID of an IPv4 address."""
+    return ipaddress.IPv6Address(f"::ffff:{ip}").packed
+
+
+NOT_UNICAST_GIDS = [
+    bytes(16),  # ::
+    ipaddress.IPv6Address("::1").packed,
+    ipaddress.IPv6Address("ff02::1").packed,  # multicast: an audit saw it accepted
+    ipaddress.IPv6Address("fe80::1").packed,  # link-local: reachable from RoCEv1 GIDs only
+    ipaddress.IPv6Address("2001:db8::1").packed,  # IPv6: the agent's GID is IPv4-mapped
+    bytes(10) + b"\xff\xff" + bytes(4),  # ::ffff:0.0.0.0
+    mapped("0.1.2.3"),
+    mapped("127.0.0.1"),
+    mapped("224.0.0.1"),
+    mapped("239.255.255.250"),
+    mapped("240.0.0.1"),
+    mapped("255.255.255.255"),
+]
+
+
+def silent_gids(ctx: Ctx, count: int) -> list[bytes]:
+    """GIDs of addresses next to the host's that nobody holds, so no ARP answer comes.
+
+    In the host's /24, from .254 down, leaving out the host's own (in the test VM only
+    the agent's .1 and the host's .2 are held).
+    """
+    own = ipaddress.IPv6Address(ctx.host().endpoint().verbs.gid).ipv4_mapped
+    assert own is not None
+    prefix = own.packed[:3]
+    last = [n for n in range(254, 200, -1) if n != own.packed[3]]
+    return [mapped(str(ipaddress.IPv4Address(prefix + bytes([n])))) for n in last[:count]]
+
+
+async def gid_must_be_unicast_ipv4(ctx: Ctx) -> None:
+    """DP-1.2-3: a field check (section 1.1, step 2): a tcp-only agent answers it too,
+    before it says it offers no verbs (FAILED_PRECONDITION, step 5)."""
+    for gid in NOT_UNICAST_GIDS:
+        code = await open_code(ctx, transport=1, host_endpoint=verbs_endpoint(gid=gid))
+        assert code == INVALID, (ipaddress.IPv6Address(gid), code)
+    if ctx.tcp:
+        fine = await open_code(ctx, transport=1, host_endpoint=verbs_endpoint())
+        assert fine == grpc.StatusCode.FAILED_PRECONDITION
+    else:
+        await ctx.open(lease=False)  # the host's own GID is fine
+
+
+async def verbs_allow_is_honoured(ctx: Ctx) -> None:
+    """DP-1.2-4, profile verbs_allow ("peer,198.51.100.0/24"; the caller is 127.0.0.1):
+    the host's GID is in neither; an address in the network passes the policy and
+    fails only to resolve (nobody holds it)."""
+    stubs = ctx.stubs("verbs_allow")
+    listing = session_pb2.ListSessionsRequest(page_size=1000)
+    before = {s.name for s in (await stubs.sessions.ListSessions(listing)).sessions}
+    host = ctx.host()
+    host.listen()
+    refused = await error_of(stubs.sessions.OpenSession(ctx.request(host), timeout=30))
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused
+    assert "verbs_allow" in (refused.details() or "")
+    listed = verbs_endpoint(gid=mapped("198.51.100.7"))
+    passed = await error_of(
+        stubs.sessions.OpenSession(ctx.request(ctx.host(), host_endpoint=listed), timeout=30)
+    )
+    assert passed.code() == UNAVAILABLE, passed
+    after = {s.name for s in (await stubs.sessions.ListSessions(listing)).sessions}
+    assert after <= before, after - before
+
+
+async def resolution_holds_up_nothing_else(ctx: Ctx) -> None:
+    """DP-1.2-5: while OpenSessions naming hosts nobody answers ARP for are in flight
+    (2 s each), another session's jobs complete and ListSessions answers, again and
+    again. (Before, each such OpenSession stopped the whole agent for a second, one
+    after the other: nothing was answered until the first of them was.)"""
+    session = await ctx.open(lease=False)
+    data = os.urandom(4096)
+    src = await session.region(4096, READ, fill=data)
+    stubs = ctx.stubs()
+    listing = session_pb2.ListSessionsRequest(page_size=1000)
+    opens = [  # 3: one resolution slot of 4 to spare
+        asyncio.ensure_future(
+            code_of(
+                stubs.sessions.OpenSession(
+                    ctx.request(ctx.host(), host_endpoint=verbs_endpoint(gid=gid)), timeout=30
+                )
+            )
+        )
+        for gid in silent_gids(ctx, 3)
+    ]
+    rounds = 0  # a job completed and ListSessions answered, all the opens still waiting
+    try:
+        while not any(task.done() for task in opens):
+            done = await session.run(wire.Kind.CRC32C, src.span())
+            assert done.ok, done
+            await stubs.sessions.ListSessions(listing)
+            rounds += not any(task.done() for task in opens)
+    finally:
+        codes = await asyncio.gather(*opens)
+    assert set(codes) == {UNAVAILABLE}, codes
+    assert rounds >= 3, f"{rounds} jobs and ListSessions done while the OpenSessions waited"
+
+
+async def unresolved_reads_the_same(ctx: Ctx) -> None:
+    """DP-1.2-6: on-link addresses nobody holds, an off-link one (TEST-NET-1), at once."""
+    stubs = ctx.stubs()
+    gids = [*silent_gids(ctx, 2), mapped("192.0.2.1")]
+    errors = await asyncio.gather(
+        *(
+            error_of(
+                stubs.sessions.OpenSession(
+                    ctx.request(ctx.host(), host_endpoint=verbs_endpoint(gid=gid)), timeout=30
+                )
+            )
+            for gid in gids
+        )
+    )
+    assert {e.code() for e in errors} == {UNAVAILABLE}, errors
+    assert len({e.details() for e in errors}) == 1, [e.details() for e in errors]
 
 
 # ---------------------------------------------------------------- 1.3

@@ -58,6 +58,8 @@ PROFILES: Final[dict[str, dict[str, str]]] = {
         "DPU_AGENT_MAX_SESSIONS_PER_CONNECTION": "2",
         "DPU_AGENT_QUOTA_MAX_SESSIONS": "3",
     },
+    # verbs: a GID policy that leaves the test hosts out (DP-1.2-4)
+    "verbs_allow": {"DPU_AGENT_VERBS_ALLOW": "peer,198.51.100.0/24"},
 }
 TIMERS: Final = {"first_watch": 1.0, "orphan": 1.0, "failed_retention": 2.0, "op_timeout": 1.0}
 GRACE: Final = 4.0

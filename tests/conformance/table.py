@@ -53,11 +53,15 @@ ROWS: Final = (
     Row("DP-1.1-6", BOTH, c1.endpoint_of_the_other_kind),
     Row("DP-1.1-7", BOTH, c1.endpoint_and_depth),
     Row("DP-1.1-8", BOTH, c1.limits, "short profile; per connection and per tenant"),
-    Row("DP-1.1-9", TCP, c1.failed_connect_leaves_nothing, "RC connects fail only locally"),
+    Row("DP-1.1-9", BOTH, c1.failed_connect_leaves_nothing, "verbs: an address without ARP"),
     Row("DP-1.1-10", BOTH, c1.the_answer),
     # 1.2 verbs
     Row("DP-1.2-1", VERBS, c1.verbs_agent_endpoint),
     Row("DP-1.2-2", VERBS, c1.rts_before_the_answer),
+    Row("DP-1.2-3", BOTH, c1.gid_must_be_unicast_ipv4, "a field check: a tcp agent answers it"),
+    Row("DP-1.2-4", VERBS, c1.verbs_allow_is_honoured, "profile verbs_allow"),
+    Row("DP-1.2-5", VERBS, c1.resolution_holds_up_nothing_else),
+    Row("DP-1.2-6", VERBS, c1.unresolved_reads_the_same),
     # 1.3 tcp
     Row("DP-1.3-1", TCP, c1.dial_only_the_caller),
     Row("DP-1.3-2", TCP, c1.nothing_before_the_hello),
