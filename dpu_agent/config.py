@@ -31,6 +31,8 @@ Example file (every key optional):
     io_workers = 16               # threads for blocking volume calls (syncs, large I/O)
     tcp_allow = "peer"            # where the tcp data plane may dial: the gRPC caller's
                                   # own address ("peer"), and/or networks ("10.0.0.0/8")
+    verbs_allow = "any"           # which host GIDs (::ffff:a.b.c.d) the verbs data plane
+                                  # may connect to: any, peer, and/or networks
     op_timeout = 30.0             # seconds a tcp host may leave a READ/WRITE unanswered
     inline_max = 4096             # the largest job source a SUBMIT may carry inline
                                   # (0-16384; 0 = none; verbs: each RECV buffer is then
@@ -164,6 +166,7 @@ class AgentConfig:
     compute_workers: int = 2
     io_workers: int = 16
     tcp_allow: str = "peer"
+    verbs_allow: str = "any"
     op_timeout: float = 30.0
     inline_max: int = 4096
     storage_backend: str = "file"
@@ -240,7 +243,7 @@ def _optional_listen(value: object, where: str) -> str:
     return "" if value == "" else _listen(value, where)
 
 
-def _tcp_allow(value: object, where: str) -> str:
+def _allow(value: object, where: str) -> str:
     if not isinstance(value, str) or len(value) > 1024:
         raise ConfigError(f"{where}: expected peer, any or a comma list of networks")
     try:
@@ -490,8 +493,17 @@ SETTINGS: Final = (
         "tcp_allow",
         "tcp_allow",
         "DPU_AGENT_TCP_ALLOW",
-        _tcp_allow,
+        _allow,
         "where the tcp data plane may dial: peer, networks, any",
+    ),
+    Setting(
+        "dataplane",
+        "verbs_allow",
+        "verbs_allow",
+        "DPU_AGENT_VERBS_ALLOW",
+        _allow,
+        "which host GIDs (::ffff:a.b.c.d) the verbs data plane may connect to: any (the"
+        " default), peer (the caller's address), networks",
     ),
     Setting(
         "dataplane",

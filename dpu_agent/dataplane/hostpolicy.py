@@ -1,4 +1,4 @@
-"""Where the agent may open a data-plane connection: the policy behind `tcp_allow`.
+"""Where the agent may open a data-plane connection: `tcp_allow` and `verbs_allow`.
 
 The tcp data plane makes the agent dial out, to an address a client names. Unchecked,
 that lets a client use the agent to reach (and send to) anything the agent can reach.
@@ -7,13 +7,19 @@ network the operator listed (data-plane.md DP-1.3-1). The configuration uses
 `parse_allow` to check the setting; the tcp link factory asks `resolve_allowed` for
 the address to dial.
 
+The verbs data plane aims the agent's queue pair at the GID a client names. The GID
+must be an IPv4-mapped unicast address (`gid_address`, DP-1.2-3: the agent's own GID
+is IPv4-mapped RoCEv2), and `verbs_allow`, the same syntax with the default `any`,
+says which of those the agent may aim at (`allowed`, DP-1.2-4).
+
 A host name is resolved once, and the agent dials one of the addresses it checked:
 resolving it again to connect would let a name whose DNS answers differently each
 time (rebinding) pass the check with an allowed address and be dialled at another.
 A lookup runs on a daemon thread of its own, at most `RESOLVERS` at once and for
 `RESOLVE_TIMEOUT` seconds at most: a name whose DNS never answers cannot hold up the
 threads the agent's other work runs on (asyncio's default executor), and the agent
-can exit while a lookup still hangs. A numeric address needs no lookup.
+can exit while a lookup still hangs. A numeric address needs no lookup. `on_own_thread`
+is that mechanism, also used to wait for a verbs host's neighbour entry (neighbour.py).
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ import ipaddress
 import socket
 import threading
 import urllib.parse
-from typing import Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 from dpu_agent.errors import PermissionDenied, Unavailable
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 AddrInfo = tuple[int, int, int, Any]  # family, type, proto, sockaddr: what to dial
@@ -34,6 +43,14 @@ AddrInfo = tuple[int, int, int, Any]  # family, type, proto, sockaddr: what to d
 RESOLVE_TIMEOUT: Final = 2.0
 RESOLVERS: Final = 4
 _resolvers = threading.BoundedSemaphore(RESOLVERS)
+T = TypeVar("T")
+# IPv4 networks whose addresses no RC queue pair can be aimed at: "this network" (the
+# unspecified address among it), loopback (RDMA does not run on lo), multicast (an RC
+# QP has one peer) and the reserved block with the limited broadcast (data-plane.md
+# DP-1.2-3)
+NOT_UNICAST: Final = tuple(
+    ipaddress.IPv4Network(net) for net in ("0.0.0.0/8", "127.0.0.0/8", "224.0.0.0/4", "240.0.0.0/4")
+)
 
 
 class Allow(NamedTuple):
@@ -59,11 +76,12 @@ def peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 
 
 def parse_allow(text: str) -> Allow:
-    """The policy of a `tcp_allow` setting; ValueError saying what is wrong.
+    """The policy of a `tcp_allow` or `verbs_allow` setting; ValueError saying what is wrong.
 
-    "peer" (the default): only the caller's own address; "peer,10.0.0.0/8": that or a
-    host in the network; a list without "peer": only those networks; "any" (0.0.0.0/0
-    and ::/0): anywhere, which gives up this protection.
+    "peer" (tcp_allow's default): only the caller's own address; "peer,10.0.0.0/8":
+    that or a host in the network; a list without "peer": only those networks; "any"
+    (0.0.0.0/0 and ::/0; verbs_allow's default): anywhere, which gives up this
+    protection.
     """
     peer = False
     networks: list[Network] = []
@@ -81,8 +99,33 @@ def parse_allow(text: str) -> Allow:
             except ValueError:
                 raise ValueError(f"{item!r} is not 'peer', 'any' or a network") from None
     if not peer and not networks:
-        raise ValueError("names nothing: use 'peer' (the default)")
+        raise ValueError("names nothing: use 'peer', 'any' or networks")
     return Allow(peer, tuple(networks))
+
+
+def allowed(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address, peer: str, allow: Allow
+) -> bool:
+    """Whether `allow` lets the agent connect to `address` for a call from `peer`."""
+    caller = peer_ip(peer)
+    if allow.peer and caller is not None and address == caller:
+        return True
+    return any(address in network for network in allow.networks)
+
+
+def gid_address(gid: bytes) -> ipaddress.IPv4Address | None:
+    """The IPv4 address of a host GID the agent may aim a queue pair at, else None.
+
+    The GID must be IPv4-mapped (::ffff:a.b.c.d), as the agent's own RoCEv2 GID is
+    (the RDMA core connects only GIDs of one IP version), and a.b.c.d unicast: not in
+    NOT_UNICAST (data-plane.md DP-1.2-3).
+    """
+    if len(gid) != 16:  # a GID is 16 bytes
+        return None
+    address = ipaddress.IPv6Address(gid).ipv4_mapped
+    if address is None or any(address in network for network in NOT_UNICAST):
+        return None
+    return address
 
 
 async def resolve_allowed(host: str, port: int, peer: str, allow: Allow) -> AddrInfo:
@@ -91,15 +134,11 @@ async def resolve_allowed(host: str, port: int, peer: str, allow: Allow) -> Addr
     PermissionDenied unless every address the name gives is one the agent may dial.
     """
     infos = await _addresses(host, port)
-    caller = peer_ip(peer)
-    allow_peer, networks = allow
     for info in infos:
         address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
             address = address.ipv4_mapped
-        if allow_peer and caller is not None and address == caller:
-            continue
-        if any(address in network for network in networks):
+        if allowed(address, peer, allow):
             continue
         raise PermissionDenied(
             "host_endpoint.tcp.host must be the address this call comes from "
@@ -130,32 +169,62 @@ async def _addresses(host: str, port: int) -> list[tuple[Any, ...]]:
 
 async def _lookup(host: str, port: int) -> list[tuple[Any, ...]]:
     """Look `host` up on a daemon thread of its own, given up after RESOLVE_TIMEOUT."""
-    if not _resolvers.acquire(blocking=False):
-        raise Unavailable(
-            f"the agent is resolving {RESOLVERS} host names already: "
-            "give host_endpoint.tcp.host as an address"
-        )
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[list[tuple[Any, ...]]] = loop.create_future()
+    busy = Unavailable(
+        f"the agent is resolving {RESOLVERS} host names already: "
+        "give host_endpoint.tcp.host as an address"
+    )
+    return await on_own_thread(
+        lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM),
+        _resolvers,
+        RESOLVE_TIMEOUT,
+        busy,
+        "dpu-resolve",
+    )
 
-    def settle(result: list[tuple[Any, ...]] | None, error: BaseException | None) -> None:
+
+async def on_own_thread(
+    work: Callable[[], T],
+    slots: threading.BoundedSemaphore,
+    timeout: float,  # noqa: ASYNC109 - the thread outlives a cancelled wait; it is its bound
+    busy: Exception,
+    name: str,
+) -> T:
+    """`work()` on a new daemon thread, holding one of `slots` while it runs.
+
+    Raises `busy` at once when no slot is free, TimeoutError after `timeout` seconds
+    (the thread runs on, and gives its slot back when `work` returns), or what `work`
+    raised. Nothing of asyncio's default executor is used, so work that hangs holds
+    only its own slot, and the agent can exit while it still runs.
+    """
+    if not slots.acquire(blocking=False):
+        raise busy
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: tuple[T] | None, error: BaseException | None) -> None:
         if future.done():
             return
         if error is not None:
             future.set_exception(error)
-        else:
-            future.set_result(result or [])
+        elif outcome is not None:
+            future.set_result(outcome[0])
 
     def run() -> None:
+        outcome: tuple[T] | None = None
+        error: BaseException | None = None
         try:
-            result, error = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), None
+            outcome = (work(),)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting call
-            result, error = None, exc
+            error = exc
         finally:
-            _resolvers.release()
+            slots.release()
         with contextlib.suppress(RuntimeError):  # the loop closed: the agent is exiting
-            loop.call_soon_threadsafe(settle, result, error)
+            loop.call_soon_threadsafe(settle, outcome, error)
 
-    threading.Thread(target=run, name="dpu-resolve", daemon=True).start()
-    async with asyncio.timeout(RESOLVE_TIMEOUT):
+    try:
+        threading.Thread(target=run, name=name, daemon=True).start()
+    except BaseException:
+        slots.release()
+        raise
+    async with asyncio.timeout(timeout):
         return await future

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Final
 
 from google.protobuf import timestamp_pb2
 
+from dpu_agent.dataplane import hostpolicy
 from dpu_agent.dataplane.jobs import JobState
 from dpu_agent.errors import InvalidArgument
 from dpu_wire import endpoints, names
@@ -74,6 +75,11 @@ def peer_address(endpoint: session_pb2.Endpoint) -> PeerAddress | None:
     elif isinstance(address, VerbsAddress):
         if len(address.gid) != GID_BYTES:
             raise InvalidArgument(f"host_endpoint.verbs.gid must be {GID_BYTES} bytes")
+        if hostpolicy.gid_address(address.gid) is None:
+            raise InvalidArgument(
+                "host_endpoint.verbs.gid must be an IPv4-mapped unicast address, "
+                "::ffff:a.b.c.d, as the agent's RoCEv2 GID is"
+            )
         if not 0 < address.qp_num < 1 << 24 or address.psn >= 1 << 24:
             raise InvalidArgument("host_endpoint.verbs: qp_num and psn are 24-bit numbers")
         if address.mtu not in VERBS_MTUS:
