@@ -215,6 +215,14 @@ def _gid_bytes(gid: object) -> bytes:
     return ipaddress.IPv6Address(str(gid)).packed
 
 
+def _gid_ifindex(ctx: Any, port: int, index: int) -> int:  # noqa: ANN401 - pyverbs Context
+    """The ifindex of the netdev a RoCE GID belongs to; 0 where the device does not say."""
+    try:
+        return int(ctx.query_gid_ex(port, index).ndev_ifindex)
+    except (PyverbsError, AttributeError):
+        return 0
+
+
 def _gid_object(raw: bytes) -> Any:  # noqa: ANN401 - a pyverbs GID
     """A pyverbs GID from 16 bytes."""
     if len(raw) != 16:
@@ -410,6 +418,7 @@ class _QueuePair:
             RD_ATOMIC, int(dev_attr.max_qp_rd_atom), int(dev_attr.max_qp_init_rd_atom)
         )
         self._gid = _gid_bytes(self._ctx.query_gid(self._port, self._gid_index))
+        self._ifindex = _gid_ifindex(self._ctx, self._port, self._gid_index)
         self._pd = PD(self._ctx)
         self._channel, self._channel_fd = _open_channel(self._ctx)
         self._open_recv_cq(cfg.recv_depth)
@@ -496,6 +505,11 @@ class _QueuePair:
     def channel_fd(self) -> int:
         """The completion channel's descriptor (readable once an armed RECV CQ completes)."""
         return self._channel_fd
+
+    @property
+    def netdev_ifindex(self) -> int:
+        """The ifindex of the netdev this side's GID is on (0: unknown)."""
+        return self._ifindex
 
     def connect(self, peer: PeerAddress | None) -> None:
         """INIT -> RTR -> RTS towards `peer`."""
@@ -1032,6 +1046,11 @@ class VerbsAgentLink(AgentLink):
     def address(self) -> VerbsAddress:
         """This side's QP as the host needs it."""
         return self._qp.address
+
+    @property
+    def netdev_ifindex(self) -> int:
+        """The ifindex of the netdev the link's GID is on: where its packets leave (0: unknown)."""
+        return self._qp.netdev_ifindex
 
     def connect(self, host: PeerAddress) -> None:
         """INIT -> RTR -> RTS towards the host's QP (its address came in OpenSession)."""
