@@ -10,6 +10,7 @@ for stop the whole agent for a second inside `ibv_modify_qp` (RTR), four in a ro
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import socket
 import threading
@@ -349,7 +350,15 @@ def test_the_kernel_is_asked_over_rtnetlink():
         loopback = ipaddress.IPv4Address("127.0.0.1")
         assert kernel.next_hop(loopback, loopback, 0) is None
         lo = socket.if_nametoindex("lo")
-        assert not kernel.valid(Hop(ipaddress.IPv4Address("127.0.0.9"), lo))
+        try:
+            valid = kernel.valid(Hop(ipaddress.IPv4Address("127.0.0.9"), lo))
+        except OSError as exc:
+            if exc.errno != errno.EOPNOTSUPP:
+                raise
+            # qemu-user (the arm64 unit run) does not translate RTM_GETNEIGH; the arm64
+            # guest and the x86 VM run real kernels, where every verbs session asks it
+            pytest.skip("this emulator does not pass RTM_GETNEIGH to the kernel")
+        assert not valid
     finally:
         kernel.close()
 
