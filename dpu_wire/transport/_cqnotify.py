@@ -33,6 +33,7 @@ from typing import Any, Final
 _PTR: Final = ctypes.sizeof(ctypes.c_void_p)
 _SEARCH: Final = 16  # pointer-sized fields of a pyverbs object searched
 _REQ_NOTIFY_SLOT: Final = 12  # ibv_context_ops: poll_cq is slot 11, req_notify_cq 12
+_LOWEST_HEAP: Final = 1 << 16  # below this no mapping can hold a QP (vm.mmap_min_addr)
 _OPS_OFFSET: Final = _PTR  # struct ibv_context { struct ibv_device *device; ops; ... }
 
 
@@ -46,12 +47,47 @@ def _read_ptr(address: int) -> int:
 
 def _field_after_context(obj: object, context: object) -> tuple[int, int]:
     """(offset of the field that holds `context`, the object's address) in a pyverbs object."""
+    return _fields_holding(obj, context)
+
+
+def _fields_holding(obj: object, *values: object) -> tuple[int, int]:
+    """(offset of consecutive fields holding `values`, the object's address).
+
+    Searched within the object's own memory (its type's basic size), after its header.
+    """
     base = id(obj)
-    want = id(context)
-    for index in range(2, _SEARCH):  # after the object header
-        if _read_ptr(base + index * _PTR) == want:
+    want = [id(value) for value in values]
+    words = min(_SEARCH, type(obj).__basicsize__ // _PTR) - len(want) + 1
+    for index in range(2, words):
+        if all(_read_ptr(base + (index + k) * _PTR) == w for k, w in enumerate(want)):
             return index * _PTR, base
-    raise NotifyUnavailable(f"no context field found in {type(obj).__name__}")
+    raise NotifyUnavailable(f"no field found for the objects in {type(obj).__name__}")
+
+
+def cq_pointer(cq: Any, context: Any) -> int:  # noqa: ANN401 - pyverbs objects
+    """The `struct ibv_cq_ex *` of a pyverbs CQEX made from `context` (an ibv_cq too)."""
+    if sys.byteorder != "little" or _PTR != 8:
+        raise NotifyUnavailable("only 64-bit little-endian layouts are known")
+    # CQEX: ... struct ibv_cq_ex *cq; struct ibv_cq *ibv_cq; object context ...
+    offset, base = _field_after_context(cq, context)
+    cq_ex, ibv_cq = _read_ptr(base + offset - 2 * _PTR), _read_ptr(base + offset - _PTR)
+    if not ibv_cq or cq_ex != ibv_cq:  # ibv_cq_ex_to_cq() is a cast: the two are equal
+        raise NotifyUnavailable("the extended CQ's pointers do not look right")
+    return ibv_cq
+
+
+def qp_pointer(qp: Any, pd: Any, context: Any) -> int:  # noqa: ANN401 - pyverbs objects
+    """The `struct ibv_qp *` of a pyverbs QP made in `pd` (unchecked: see `_vcore.Qp`)."""
+    if sys.byteorder != "little" or _PTR != 8:
+        raise NotifyUnavailable("only 64-bit little-endian layouts are known")
+    # QP: ... struct ibv_qp *qp; int type; int state; object pd; object context ...
+    # (`context` stays None for a QP made in a PD: the PD alone marks the place)
+    del context
+    offset, base = _fields_holding(qp, pd)
+    pointer = _read_ptr(base + offset - 2 * _PTR)
+    if pointer < _LOWEST_HEAP or pointer % _PTR:
+        raise NotifyUnavailable("the QP's pointer does not look like one")
+    return pointer
 
 
 def _libibverbs() -> ctypes.CDLL:
@@ -67,13 +103,7 @@ class CqNotifier:
     """Arm and take the completion events of one extended CQ bound to one channel."""
 
     def __init__(self, cq: Any, channel: Any, context: Any, channel_fd: int) -> None:  # noqa: ANN401 - pyverbs objects
-        if sys.byteorder != "little" or _PTR != 8:
-            raise NotifyUnavailable("only 64-bit little-endian layouts are known")
-        # CQEX: ... struct ibv_cq_ex *cq; struct ibv_cq *ibv_cq; object context ...
-        offset, base = _field_after_context(cq, context)
-        cq_ex, ibv_cq = _read_ptr(base + offset - 2 * _PTR), _read_ptr(base + offset - _PTR)
-        if not ibv_cq or cq_ex != ibv_cq:  # ibv_cq_ex_to_cq() is a cast: the two are equal
-            raise NotifyUnavailable("the extended CQ's pointers do not look right")
+        ibv_cq = cq_pointer(cq, context)
         # CompChannel: ... struct ibv_comp_channel *cc; object context ...
         offset, base = _field_after_context(channel, context)
         cc = _read_ptr(base + offset - _PTR)

@@ -157,6 +157,26 @@ class LinkSink(Protocol):
         """The operation posted with `token` finished (error: the link failed)."""
 
 
+FastJob = tuple[int, int, int, int, int, int, int, int, int]
+"""A job the agent link ran itself (native core): (job_id, length, destination addr,
+destination rkey, deadline_ms, submit_ns, start_ns, end_ns, its WRITE's wr_id)."""
+
+
+class FastSink(Protocol):
+    """What an agent link with a fast path asks and reports (`AgentLink.fast_regions`)."""
+
+    def fast_allowed(self) -> bool:
+        """Whether the link may run jobs itself now; asked once per poll."""
+        raise NotImplementedError
+
+    def on_fast_jobs(self, jobs: list[FastJob], failed: bool) -> None:  # noqa: FBT001 - positional by design
+        """Jobs the link ran itself, finished and answered.
+
+        `failed`: the last one's COMPLETION could not be posted; the link has failed.
+        """
+        raise NotImplementedError
+
+
 class AgentLink(abc.ABC):
     """The agent side of one session's data plane, driven by the reactor thread.
 
@@ -178,6 +198,19 @@ class AgentLink(abc.ABC):
     inline_max: int = 0
     """The largest job source a SUBMIT may carry inline on this link (docs/data-plane.md
     2.8); 0: none (on verbs every RECV buffer is max(256, 80 + inline_max) bytes)."""
+
+    def fast_regions(self, regions: list[tuple[int, int, int]], sink: FastSink) -> bool:
+        """Run inline COPY jobs into these (addr, length, rkey) regions without Python.
+
+        The session's regions that grant REMOTE_WRITE, pushed again after every change.
+        A link that can (verbs with the native core) takes each SUBMIT that is an inline
+        COPY passing every admission check into one of them and answers it itself, while
+        its sink's `fast_allowed()` says so, reporting the jobs to `on_fast_jobs`; every
+        other capsule goes to `on_capsule` as before, in order. Returns whether the link
+        has a fast path (the default: no).
+        """
+        del regions, sink
+        return False
 
     @property
     @abc.abstractmethod
@@ -309,6 +342,15 @@ class HostLink(abc.ABC):
         Called once the session's `inline_max` is known, before the first send.
         """
         return limit
+
+    def wait(self) -> None:  # noqa: B027 - optional: most links have nothing to wait for
+        """Take an answer that is due now, without a turn of the event loop, if it can.
+
+        Called by a job's `await` when that job is the only one in flight. A link that
+        can wait cheaply for the next capsule (verbs with the native core: a spin with
+        the GIL released, at most its polling window) delivers it through `on_capsule`
+        before returning; the default does nothing.
+        """
 
     def local_view(self, span: Span) -> memoryview | None:
         """This side's memory behind `span`, if it names a region the agent may READ.

@@ -71,11 +71,12 @@ import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_wire.capsule import MAX_CAPSULE, MAX_INLINE, SUBMIT_SIZE
-from dpu_wire.transport import _memory
+from dpu_wire.transport import _memory, native
 from dpu_wire.transport._cqnotify import CqNotifier, NotifyUnavailable
 from dpu_wire.transport.base import (
     Access,
     AgentLink,
+    FastSink,
     HostLink,
     OutCapsule,
     PeerAddress,
@@ -377,6 +378,8 @@ class _QueuePair:
         self._qp: Any = None
         self._recv_cq: Any = None
         self._notifier: CqNotifier | None = None
+        self._native: Any = None  # a native.attach() core: posts and polls in C
+        self._fast: FastSink | None = None  # set: the core runs inline COPY jobs itself
         self._send_cq: Any = None
         self._channel: Any = None
         self._channel_fd = -1
@@ -460,6 +463,15 @@ class _QueuePair:
             self._wrs[name] = (wr, sge)
         self._send_wr, self._send_sge = self._wrs["send"]
         self._send_sge.lkey = self._send_ring.lkey
+        if self._notifier is not None:  # the core polls extended CQs only
+            self._native = native.attach(
+                self._qp,
+                self._pd,
+                self._ctx,
+                self._send_cq,
+                self._recv_cq,
+                (self._recv_ring.addr, recv_slot, cfg.recv_depth, self._recv_ring.lkey),
+            )
         # An unsignaled WRITE whose `next` is the SEND's work request: a job's last WRITE
         # and its COMPLETION go to the device in one ibv_post_send (one doorbell: on rxe
         # one system call and one run of the requester instead of two). `post_rdma` holds
@@ -500,6 +512,11 @@ class _QueuePair:
     def address(self) -> VerbsAddress:
         """This side's QP as the peer needs it (also after close)."""
         return self._address
+
+    @property
+    def native(self) -> bool:
+        """Whether posts and polls go through the native core (`native.py`)."""
+        return self._native is not None
 
     @property
     def channel_fd(self) -> int:
@@ -616,13 +633,47 @@ class _QueuePair:
         view[offset : offset + size] = capsule
         if tail is not None:
             view[offset + size : offset + total] = tail
+        addr = self._send_ring.addr + offset
+        if self._native is not None:
+            self._native_send(addr, total, token, slot)
+            return
         sge = self._send_sge
-        sge.addr = self._send_ring.addr + offset
+        sge.addr = addr
         sge.length = total
         if self._held is None:
             self._post(self._send_wr, token, slot, "SEND")
         else:
             self._post_chain(token, slot)
+
+    def _native_send(self, addr: int, length: int, token: int | None, slot: int) -> None:
+        """`post_send` through the core: the SEND alone, or chained behind a held WRITE."""
+        wr_id = self._next_wr_id
+        lkey = self._send_ring.lkey
+        if self._held is None:
+            self._next_wr_id = wr_id + 1
+            rc = self._native.post_send(wr_id, addr, length, lkey)
+            self._native_posted(rc, "SEND", slot)
+            self._sq.append((wr_id, token, slot))
+            return
+        w_addr, w_length, w_lkey, remote_addr, rkey = self._held
+        self._held = None
+        self._next_wr_id = wr_id + 2
+        rc = self._native.post_chain(
+            wr_id, w_addr, w_length, w_lkey, remote_addr, rkey, wr_id + 1, addr, length, lkey
+        )
+        self._native_posted(rc, "RDMA WRITE + SEND", slot)
+        self._sq.append((wr_id, None, None))
+        self._sq.append((wr_id + 1, token, slot))
+
+    def _native_posted(self, rc: int, what: str, slot: int | None) -> None:
+        """Fail the link as `_post` does when the core's post answered an errno."""
+        if rc == 0:
+            return
+        if slot is not None:
+            self._free_slots.append(slot)
+        error = TransportError(f"posting {what} failed: {os.strerror(rc)} (errno {rc})")
+        self.fail(error, None)
+        raise error
 
     def post_rdma(  # noqa: PLR0913, PLR0917 - an RDMA operation's operands
         self,
@@ -648,6 +699,16 @@ class _QueuePair:
         if kind == "write_unsignaled":
             self._held = (local.addr + offset, length, local.lkey, remote[0], remote[1])
             return
+        if self._native is not None:
+            wr_id = self._next_wr_id
+            self._next_wr_id = wr_id + 1
+            read = kind == "read"
+            rc = self._native.post_rdma(
+                wr_id, read, local.addr + offset, length, local.lkey, remote[0], remote[1], True
+            )
+            self._native_posted(rc, "RDMA READ" if read else "RDMA WRITE", None)
+            self._sq.append((wr_id, token, None))
+            return
         wr, sge = self._wrs[kind]
         sge.addr = local.addr + offset
         sge.length = length
@@ -669,6 +730,16 @@ class _QueuePair:
         wr.set_wr_rdma(rkey, remote_addr)
 
     def _post_held(self) -> None:
+        if self._native is not None:
+            assert self._held is not None  # noqa: S101 - the callers checked
+            addr, length, lkey, remote_addr, rkey = self._held
+            self._held = None
+            wr_id = self._next_wr_id
+            self._next_wr_id = wr_id + 1
+            rc = self._native.post_rdma(wr_id, False, addr, length, lkey, remote_addr, rkey, False)
+            self._native_posted(rc, "RDMA WRITE", None)
+            self._sq.append((wr_id, None, None))
+            return
         wr, sge = self._wrs["write_unsignaled"]
         self._take_held(wr, sge)
         self._post(wr, None, None, "RDMA WRITE")
@@ -731,13 +802,19 @@ class _QueuePair:
         fast device has completed by the next poll; unbounded, one busy job would keep
         the caller here for its whole run (and its reactor's other work waiting).
         """
-        cq, attr, sq = self._send_cq, self._poll_attr, self._sq
+        cq, attr, sq, core = self._send_cq, self._poll_attr, self._sq, self._native
         taken = 0
         while sq and taken < budget and not self._closed:
-            if cq.start_poll(attr) != 0:  # ENOENT: nothing (or an error code)
-                return taken
-            wr_id, status = cq.wr_id, cq.status
-            cq.end_poll()
+            if core is not None:
+                got = core.poll_send()
+                if got is None:  # nothing (or an error code)
+                    return taken
+                wr_id, status = got
+            else:
+                if cq.start_poll(attr) != 0:  # ENOENT: nothing (or an error code)
+                    return taken
+                wr_id, status = cq.wr_id, cq.status
+                cq.end_poll()
             taken += 1
             ok = status == ev.IBV_WC_SUCCESS
             # RC completes the send queue in order: everything up to wr_id is done.
@@ -771,6 +848,8 @@ class _QueuePair:
         raise NotImplementedError
 
     def _poll_recv_ex(self, sink: LinkSink, budget: int) -> int:
+        if self._native is not None:
+            return self._poll_recv_native(sink, budget)
         cq, attr = self._recv_cq, self._poll_attr
         taken = 0
         while taken < budget and not self._closed:
@@ -782,6 +861,70 @@ class _QueuePair:
             if not self._received(sink, slot, status, length):
                 break
         return taken
+
+    def fast_regions(
+        self, regions: list[tuple[int, int, int]], inline_max: int, sink: FastSink
+    ) -> bool:
+        """Set up the core's fast path (once) and where its jobs may WRITE."""
+        if self._native is None or inline_max <= 0 or self._closed:
+            return False
+        if self._fast is None:
+            slot = (SUBMIT_SIZE + inline_max + 63) & ~63  # a COMPLETION, then the data
+            depth = self._config.queue_depth
+            ring = self.register(depth * slot, Access.NONE, 0)
+            self._native.fast_setup(ring.addr, ring.lkey, slot, depth, inline_max)
+        self._fast = sink
+        self._native.set_regions(regions)
+        return True
+
+    def _serve_fast(self, sink: LinkSink, fast: FastSink, budget: int) -> int:
+        """Let the core run inline COPY jobs (`fast_regions`); the capsules taken."""
+        next_id, jobs, pending, err = self._native.serve(budget, self._next_wr_id, self.room())
+        self._next_wr_id = next_id
+        taken = len(jobs)
+        if jobs:
+            sq = self._sq
+            for job in jobs:
+                sq.append((job[8], None, None))
+                sq.append((job[8] + 1, None, None))
+            fast.on_fast_jobs(jobs, bool(err))
+        if err:
+            self.fail(TransportError(f"posting a fast job failed: {os.strerror(err)}"), sink)
+            return taken
+        if pending is not None:
+            taken += 1
+            self._received(sink, *pending)
+        return taken
+
+    def _poll_recv_native(self, sink: LinkSink, budget: int) -> int:
+        core = self._native
+        fast = self._fast
+        if fast is not None and self._held is None and not self._unreported and fast.fast_allowed():
+            return self._serve_fast(sink, fast, budget)
+        taken = 0
+        while taken < budget and not self._closed:
+            got = core.poll_recv()
+            if got is None:  # empty
+                break
+            taken += 1
+            if not self._received(sink, *got):
+                break
+        return taken
+
+    def spin_recv(self, sink: LinkSink, timeout: float) -> int:
+        """Wait up to `timeout` s for one capsule, polling with the GIL released.
+
+        For a host waiting on the answer it expects: it takes the capsule the moment it
+        lands instead of after a turn of its event loop. Returns the capsules taken (0
+        or 1); 0 at once without the native core.
+        """
+        if self._native is None or self._closed or self.error is not None:
+            return 0
+        got = self._native.spin_recv(max(0, int(timeout * 1e9)))
+        if got is None:
+            return 0
+        self._received(sink, *got)
+        return 1
 
     def _poll_recv_plain(self, sink: LinkSink, budget: int) -> int:
         if self._closed:
@@ -821,11 +964,19 @@ class _QueuePair:
                 sink.on_capsule(self._recv_ring.view[start : start + length])
         finally:
             if self.error is None and not self._closed:
-                try:
-                    self._qp.post_recv(self._recv_wrs[slot])
-                except PyverbsError as exc:
-                    self.fail(TransportError(f"reposting a RECV failed: {exc}"), sink)
+                self._repost(sink, slot)
         return self.error is None and not self._closed
+
+    def _repost(self, sink: LinkSink, slot: int) -> None:
+        if self._native is not None:
+            rc = self._native.post_recv(slot)
+            if rc:
+                self.fail(TransportError(f"reposting a RECV failed: {os.strerror(rc)}"), sink)
+            return
+        try:
+            self._qp.post_recv(self._recv_wrs[slot])
+        except PyverbsError as exc:
+            self.fail(TransportError(f"reposting a RECV failed: {exc}"), sink)
 
     def arm(self, sink: LinkSink) -> bool:
         """Ask for an event on the next capsule; False if one arrived meanwhile (polled)."""
@@ -895,6 +1046,9 @@ class _QueuePair:
 
     def _release(self) -> None:
         """Destroy in dependency order: QP, MRs, CQs, channel, PD, context."""
+        if self._native is not None:
+            self._native.close()  # its pointers die with the objects below
+            self._native = None
         if self._qp is not None:
             self._qp.close()
         if self._notifier is not None:  # destroying a CQ waits for its events' acks
@@ -1055,6 +1209,10 @@ class VerbsAgentLink(AgentLink):
     def connect(self, host: PeerAddress) -> None:
         """INIT -> RTR -> RTS towards the host's QP (its address came in OpenSession)."""
         self._qp.connect(host)
+
+    def fast_regions(self, regions: list[tuple[int, int, int]], sink: FastSink) -> bool:
+        """See `AgentLink.fast_regions`: with the native core, inline COPY jobs run in C."""
+        return self._qp.fast_regions(regions, self.inline_max, sink)
 
     def staging(self, length: int) -> VerbsRegion:
         """Local memory registered for LOCAL_WRITE only: READ target and WRITE source."""
@@ -1281,6 +1439,15 @@ class VerbsHostLink(HostLink):
     def _on_channel(self) -> None:
         self._qp.take_events()
         self._kick()
+
+    def wait(self) -> None:
+        """Spin up to `spin` s for the next capsule with the native core (HostLink.wait)."""
+        if self._closed or self._loop is None or not self._qp.native:
+            return
+        if self._qp.spin_recv(self, self._spin):
+            self._last = time.monotonic()
+            self._qp.poll(self, RECV_BATCH)  # what landed with it, and the send completions
+            self._report()
 
     def on_capsule(self, data: memoryview) -> None:
         """LinkSink: a capsule arrived."""

@@ -1,0 +1,642 @@
+/*
+ * _vcore: the verbs transport's posts and polls in C (dpu_wire/transport/native.py).
+ *
+ * pyverbs stays the resource layer: it makes the context, PD, CQs, QP and MRs. This
+ * module takes the raw `struct ibv_qp *` and `struct ibv_cq_ex *` of those objects
+ * (found and checked by native.py) and does only the per-operation calls, the ones a
+ * job makes: ibv_post_send (one WR, or a WRITE chained to a SEND), ibv_post_recv of a
+ * RECV ring slot, and one completion at a time from an extended CQ. Under pyverbs each
+ * post rewrote Python-level SGE and SendWR attributes and each completion took three
+ * calls; here each is one call taking and returning plain integers.
+ *
+ * Every function is a static inline of <infiniband/verbs.h>: a call through the
+ * provider's function pointers, the verbs ABI. Nothing is linked but libc.
+ *
+ * rxe and extended CQs: one start_poll/end_poll pair per completion. rxe's next_poll
+ * ends the batch by itself when the queue is empty, and an end_poll after that skips a
+ * slot for ever (the soft-RoCE notes); so this module never calls next_poll.
+ *
+ * Posts and the spin wait release the GIL: on rxe a post is a system call in which the
+ * soft NIC does the requester's work (hundreds of microseconds under TCG), and other
+ * threads (gRPC, the storage workers) should run meanwhile. Not thread-safe: one owner
+ * thread calls a Qp, as with the pyverbs objects it replaces.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <infiniband/verbs.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* A host region a fast job may WRITE into: [addr, last], rkey (REMOTE_WRITE granted). */
+typedef struct {
+    uint64_t addr;
+    uint64_t last;
+    uint32_t rkey;
+} FastRegion;
+
+typedef struct {
+    PyObject_HEAD
+    struct ibv_qp *qp;
+    struct ibv_cq_ex *send_cq;
+    struct ibv_cq_ex *recv_cq;
+    uint64_t recv_addr;  /* the RECV ring: recv_depth slots of recv_slot bytes */
+    uint32_t recv_slot;
+    uint32_t recv_depth;
+    uint32_t recv_lkey;
+    int live;            /* 0 once close() ran: the resources are pyverbs', gone after */
+    /* The agent's fast path (serve): its ring of slots, each a COMPLETION then the
+     * job's data, used in order and freed in order as their SENDs complete. */
+    uint64_t fast_addr;
+    uint32_t fast_lkey;
+    uint32_t fast_slot;
+    uint32_t fast_slots;
+    uint32_t inline_max;
+    uint64_t *fast_send_id;  /* per slot: the wr_id of its SEND while in flight */
+    uint32_t fast_head;
+    uint32_t fast_used;
+    FastRegion *regions;
+    Py_ssize_t n_regions;
+} Qp;
+
+static int qp_live(Qp *self)
+{
+    if (!self->live) {
+        PyErr_SetString(PyExc_ValueError, "the native queue pair is closed");
+        return 0;
+    }
+    return 1;
+}
+
+static int Qp_init(Qp *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"qp", "qp_num", "send_cq", "recv_cq", "recv_addr",
+                             "recv_slot", "recv_depth", "recv_lkey", NULL};
+    unsigned long long qp, send_cq, recv_cq, recv_addr;
+    unsigned int qp_num, recv_slot, recv_depth, recv_lkey;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KIKKKIII", kwlist, &qp, &qp_num, &send_cq,
+                                     &recv_cq, &recv_addr, &recv_slot, &recv_depth, &recv_lkey))
+        return -1;
+    if (!qp || !send_cq || !recv_cq || !recv_addr || !recv_slot || !recv_depth) {
+        PyErr_SetString(PyExc_ValueError, "null pointer or empty ring");
+        return -1;
+    }
+    struct ibv_qp *q = (struct ibv_qp *)(uintptr_t)qp;
+    /* The pointers were located in pyverbs objects' memory: check they belong together
+     * before anything is posted through them. ibv_cq_ex_to_cq() is a cast. */
+    if (q->qp_num != qp_num || q->send_cq != (struct ibv_cq *)(uintptr_t)send_cq ||
+        q->recv_cq != (struct ibv_cq *)(uintptr_t)recv_cq || !q->context ||
+        ((struct ibv_cq *)(uintptr_t)send_cq)->context != q->context) {
+        PyErr_SetString(PyExc_ValueError, "the QP and CQ pointers do not belong together");
+        return -1;
+    }
+    self->qp = q;
+    self->send_cq = (struct ibv_cq_ex *)(uintptr_t)send_cq;
+    self->recv_cq = (struct ibv_cq_ex *)(uintptr_t)recv_cq;
+    self->recv_addr = recv_addr;
+    self->recv_slot = recv_slot;
+    self->recv_depth = recv_depth;
+    self->recv_lkey = recv_lkey;
+    self->live = 1;
+    return 0;
+}
+
+static int parse_u64(PyObject *o, uint64_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return 0;
+    *out = v;
+    return 1;
+}
+
+static int parse_u32(PyObject *o, uint32_t *out)
+{
+    unsigned long v = PyLong_AsUnsignedLong(o);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+        return 0;
+    if (v > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "value does not fit 32 bits");
+        return 0;
+    }
+    *out = (uint32_t)v;
+    return 1;
+}
+
+static PyObject *post_result(int rc)
+{
+    return PyLong_FromLong(rc);
+}
+
+static int do_post(Qp *self, struct ibv_send_wr *wr)
+{
+    struct ibv_send_wr *bad = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ibv_post_send(self->qp, wr, &bad);
+    Py_END_ALLOW_THREADS
+    return rc;
+}
+
+/* post_send(wr_id, addr, length, lkey) -> errno: one signalled SEND of one SGE. */
+static PyObject *Qp_post_send(Qp *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t wr_id, addr;
+    uint32_t length, lkey;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "post_send(wr_id, addr, length, lkey)");
+        return NULL;
+    }
+    if (!qp_live(self) || !parse_u64(args[0], &wr_id) || !parse_u64(args[1], &addr) ||
+        !parse_u32(args[2], &length) || !parse_u32(args[3], &lkey))
+        return NULL;
+    struct ibv_sge sge = {.addr = addr, .length = length, .lkey = lkey};
+    struct ibv_send_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
+                             .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED};
+    return post_result(do_post(self, &wr));
+}
+
+/* post_rdma(wr_id, read, addr, length, lkey, remote_addr, rkey, signaled) -> errno. */
+static PyObject *Qp_post_rdma(Qp *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t wr_id, addr, raddr;
+    uint32_t length, lkey, rkey;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "post_rdma(wr_id, read, addr, length, lkey, remote_addr, rkey, signaled)");
+        return NULL;
+    }
+    if (!qp_live(self) || !parse_u64(args[0], &wr_id) || !parse_u64(args[2], &addr) ||
+        !parse_u32(args[3], &length) || !parse_u32(args[4], &lkey) ||
+        !parse_u64(args[5], &raddr) || !parse_u32(args[6], &rkey))
+        return NULL;
+    int read = PyObject_IsTrue(args[1]);
+    int signaled = PyObject_IsTrue(args[7]);
+    if (read < 0 || signaled < 0)
+        return NULL;
+    struct ibv_sge sge = {.addr = addr, .length = length, .lkey = lkey};
+    struct ibv_send_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
+                             .opcode = read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE,
+                             .send_flags = signaled ? IBV_SEND_SIGNALED : 0};
+    wr.wr.rdma.remote_addr = raddr;
+    wr.wr.rdma.rkey = rkey;
+    return post_result(do_post(self, &wr));
+}
+
+/* post_chain(write_id, addr, length, lkey, remote_addr, rkey, send_id, send_addr,
+ * send_length, send_lkey) -> errno: an unsignalled WRITE and a signalled SEND right
+ * behind it, one ibv_post_send (one doorbell). */
+static PyObject *Qp_post_chain(Qp *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t write_id, addr, raddr, send_id, send_addr;
+    uint32_t length, lkey, rkey, send_length, send_lkey;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "post_chain takes 10 arguments");
+        return NULL;
+    }
+    if (!qp_live(self) || !parse_u64(args[0], &write_id) || !parse_u64(args[1], &addr) ||
+        !parse_u32(args[2], &length) || !parse_u32(args[3], &lkey) ||
+        !parse_u64(args[4], &raddr) || !parse_u32(args[5], &rkey) ||
+        !parse_u64(args[6], &send_id) || !parse_u64(args[7], &send_addr) ||
+        !parse_u32(args[8], &send_length) || !parse_u32(args[9], &send_lkey))
+        return NULL;
+    struct ibv_sge sges[2] = {{.addr = addr, .length = length, .lkey = lkey},
+                              {.addr = send_addr, .length = send_length, .lkey = send_lkey}};
+    struct ibv_send_wr send = {.wr_id = send_id, .sg_list = &sges[1], .num_sge = 1,
+                               .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED};
+    struct ibv_send_wr write = {.wr_id = write_id, .next = &send, .sg_list = &sges[0],
+                                .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE, .send_flags = 0};
+    write.wr.rdma.remote_addr = raddr;
+    write.wr.rdma.rkey = rkey;
+    return post_result(do_post(self, &write));
+}
+
+/* post_recv(slot) -> errno: repost RECV ring slot `slot` (its wr_id is the slot). */
+static PyObject *Qp_post_recv(Qp *self, PyObject *arg)
+{
+    if (!qp_live(self))
+        return NULL;
+    unsigned long slot = PyLong_AsUnsignedLong(arg);
+    if (slot == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (slot >= self->recv_depth) {
+        PyErr_SetString(PyExc_ValueError, "no such RECV slot");
+        return NULL;
+    }
+    struct ibv_sge sge = {.addr = self->recv_addr + (uint64_t)slot * self->recv_slot,
+                          .length = self->recv_slot, .lkey = self->recv_lkey};
+    struct ibv_recv_wr wr = {.wr_id = slot, .sg_list = &sge, .num_sge = 1};
+    struct ibv_recv_wr *bad = NULL;
+    return post_result(ibv_post_recv(self->qp, &wr, &bad));
+}
+
+/* One completion of an extended CQ: 1 and its fields, 0 if empty, -errno on error. */
+static int take_one(struct ibv_cq_ex *cq, uint64_t *wr_id, int *status, uint32_t *byte_len)
+{
+    struct ibv_poll_cq_attr attr = {0};
+    int rc = ibv_start_poll(cq, &attr);
+    if (rc == ENOENT)
+        return 0;
+    if (rc)
+        return -rc;
+    *wr_id = cq->wr_id;
+    *status = (int)cq->status;
+    if (byte_len)
+        *byte_len = *status == IBV_WC_SUCCESS ? ibv_wc_read_byte_len(cq) : 0;
+    ibv_end_poll(cq);
+    return 1;
+}
+
+static PyObject *poll_error(int rc)
+{
+    errno = -rc;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+/* poll_send() -> (wr_id, status) or None. */
+static PyObject *Qp_poll_send(Qp *self, PyObject *unused)
+{
+    uint64_t wr_id = 0;
+    int status = 0;
+    if (!qp_live(self))
+        return NULL;
+    int rc = take_one(self->send_cq, &wr_id, &status, NULL);
+    if (rc == 0)
+        Py_RETURN_NONE;
+    if (rc < 0)
+        return poll_error(rc);
+    /* RC completes the send queue in order: every fast slot whose SEND is at or
+     * before this completion is free again. */
+    while (self->fast_used && self->fast_send_id[self->fast_head] <= wr_id) {
+        self->fast_head = (self->fast_head + 1) % self->fast_slots;
+        self->fast_used--;
+    }
+    return Py_BuildValue("(Ki)", (unsigned long long)wr_id, status);
+}
+
+/* poll_recv() -> (slot, status, byte_len) or None. */
+static PyObject *Qp_poll_recv(Qp *self, PyObject *unused)
+{
+    uint64_t wr_id = 0;
+    int status = 0;
+    uint32_t byte_len = 0;
+    if (!qp_live(self))
+        return NULL;
+    int rc = take_one(self->recv_cq, &wr_id, &status, &byte_len);
+    if (rc == 0)
+        Py_RETURN_NONE;
+    if (rc < 0)
+        return poll_error(rc);
+    return Py_BuildValue("(KiI)", (unsigned long long)wr_id, status, byte_len);
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* spin_recv(timeout_ns) -> (slot, status, byte_len) or None: poll the receive CQ, the
+ * GIL released, until a completion comes or `timeout_ns` passed. A host waiting for
+ * the one COMPLETION it expects takes it the moment it lands, without a trip through
+ * its event loop. */
+static PyObject *Qp_spin_recv(Qp *self, PyObject *arg)
+{
+    uint64_t wr_id = 0;
+    int status = 0;
+    uint32_t byte_len = 0;
+    int rc;
+    if (!qp_live(self))
+        return NULL;
+    unsigned long long timeout = PyLong_AsUnsignedLongLong(arg);
+    if (timeout == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t end = now_ns() + timeout;
+    unsigned int spins = 0;
+    for (;;) {
+        rc = take_one(self->recv_cq, &wr_id, &status, &byte_len);
+        if (rc != 0)
+            break;
+        if ((++spins & 63) == 0 && now_ns() >= end)
+            break;
+    }
+    Py_END_ALLOW_THREADS
+    if (rc == 0)
+        Py_RETURN_NONE;
+    if (rc < 0)
+        return poll_error(rc);
+    return Py_BuildValue("(KiI)", (unsigned long long)wr_id, status, byte_len);
+}
+
+/* fast_setup(addr, lkey, slot_bytes, slots, inline_max): the ring serve() uses. */
+static PyObject *Qp_fast_setup(Qp *self, PyObject *args)
+{
+    unsigned long long addr;
+    unsigned int lkey, slot, slots, inline_max;
+    if (!qp_live(self) || !PyArg_ParseTuple(args, "KIIII", &addr, &lkey, &slot, &slots,
+                                            &inline_max))
+        return NULL;
+    if (self->fast_slots) {
+        PyErr_SetString(PyExc_ValueError, "the fast ring is already set up");
+        return NULL;
+    }
+    if (!addr || !slots || inline_max > slot || slot - inline_max < 80 ||
+        inline_max > self->recv_slot || self->recv_slot - inline_max < 80) {
+        PyErr_SetString(PyExc_ValueError, "fast ring geometry does not fit the capsules");
+        return NULL;
+    }
+    self->fast_send_id = PyMem_Calloc(slots, sizeof(uint64_t));
+    if (!self->fast_send_id)
+        return PyErr_NoMemory();
+    self->fast_addr = addr;
+    self->fast_lkey = lkey;
+    self->fast_slot = slot;
+    self->fast_slots = slots;
+    self->inline_max = inline_max;
+    Py_RETURN_NONE;
+}
+
+/* set_regions([(addr, length, rkey), ...]): the regions fast jobs may WRITE into
+ * (the session's regions that grant REMOTE_WRITE), replacing the last list. */
+static PyObject *Qp_set_regions(Qp *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "set_regions takes a list of (addr, length, rkey)");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    FastRegion *regions = n ? PyMem_Calloc((size_t)n, sizeof(FastRegion)) : NULL;
+    if (n && !regions) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long addr, length;
+        unsigned int rkey;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKI", &addr, &length, &rkey))
+            goto fail;
+        if (!length || addr + (length - 1) < addr) {
+            PyErr_SetString(PyExc_ValueError, "a region is empty or wraps past 2**64");
+            goto fail;
+        }
+        regions[i] = (FastRegion){.addr = addr, .last = addr + (length - 1), .rkey = rkey};
+    }
+    Py_DECREF(seq);
+    PyMem_Free(self->regions);
+    self->regions = regions;
+    self->n_regions = n;
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(regions);
+    return NULL;
+}
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define FAST_PATH 1
+#else
+#define FAST_PATH 0 /* the capsule is little-endian: serve() hands everything over */
+#endif
+
+static uint16_t le16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static uint32_t le32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t le64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+static uint64_t realtime_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Whether a received SUBMIT of `n` bytes is an inline COPY the fast path runs: every
+ * check of docs/data-plane.md 2.5 it would pass in the pipeline, passed here. Anything
+ * else (another kind or flag, a field set, a region not found, a span outside it) is
+ * the pipeline's to answer, with the exact status the spec gives. */
+static const FastRegion *fast_copy(Qp *self, const uint8_t *c, uint32_t n)
+{
+    if (n < 80 || c[0] != 'D' || c[1] != 'C' || c[2] != 1 || c[3] != 1 || le32(c + 4) != n)
+        return NULL;
+    uint64_t job_id = le64(c + 8);
+    uint32_t src_len = le32(c + 32);
+    if (job_id >> 63 || le16(c + 16) != 1 /* COPY */ || le16(c + 18) != 2 /* INLINE */ ||
+        le64(c + 24) != 0 || le32(c + 36) != 0 || src_len == 0 ||
+        src_len > self->inline_max || n != 80 + src_len)
+        return NULL;
+    for (int i = 56; i < 80; i++) /* offset, handle, reserved, length: all 0 for COPY */
+        if (c[i])
+            return NULL;
+    uint64_t dst = le64(c + 40);
+    if (le32(c + 48) != src_len || dst > UINT64_MAX - (src_len - 1))
+        return NULL;
+    uint32_t rkey = le32(c + 52);
+    for (Py_ssize_t i = 0; i < self->n_regions; i++) {
+        const FastRegion *r = &self->regions[i];
+        if (r->rkey == rkey)
+            return dst >= r->addr && dst + (src_len - 1) <= r->last ? r : NULL;
+    }
+    return NULL;
+}
+
+/* serve(budget, next_wr_id, room) -> (next_wr_id, jobs, pending, errno)
+ *
+ * The agent's fast path, while the pipeline allows it (no job of the session open in
+ * Python, nothing queued to send): takes up to `budget` capsules from the receive CQ
+ * and runs each inline COPY to its end here. Its data goes from the RECV buffer into
+ * a fast slot after the slot's COMPLETION, the RECV is reposted, and the WRITE
+ * (unsignalled) and the COMPLETION's SEND (signalled) go in one post, wr_ids
+ * next_wr_id and next_wr_id + 1. The first capsule that is anything else stops the
+ * pass and comes back as `pending` (slot, status, byte_len), for the pipeline to take
+ * next: capsules are answered in the order they arrived. `jobs` are the jobs run,
+ * (job_id, length, dst_addr, dst_rkey, deadline_ms, submit_ns, start_ns, end_ns,
+ * write_wr_id), for the pipeline's records. A post or repost that failed stops the
+ * pass with its errno (the job it carried is in `jobs`: the link has failed). */
+static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t next_id;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "serve(budget, next_wr_id, room)");
+        return NULL;
+    }
+    long budget = PyLong_AsLong(args[0]);
+    long room = PyLong_AsLong(args[2]);
+    if (!qp_live(self) || (budget == -1 && PyErr_Occurred()) || !parse_u64(args[1], &next_id) ||
+        (room == -1 && PyErr_Occurred()))
+        return NULL;
+    PyObject *jobs = PyList_New(0);
+    if (!jobs)
+        return NULL;
+    PyObject *pending = NULL;
+    int err = 0;
+    while (FAST_PATH && budget-- > 0 && room >= 2 && self->fast_used < self->fast_slots) {
+        uint64_t slot = 0;
+        int status = 0;
+        uint32_t n = 0;
+        int rc = take_one(self->recv_cq, &slot, &status, &n);
+        if (rc <= 0)
+            break; /* empty (or an error code, read as empty as poll_recv does) */
+        uint64_t submit_ns = realtime_ns();
+        const uint8_t *c = (const uint8_t *)(uintptr_t)(self->recv_addr +
+                                                        (slot % self->recv_depth) * self->recv_slot);
+        const FastRegion *region = NULL;
+        if (status == IBV_WC_SUCCESS && slot < self->recv_depth && n <= self->recv_slot)
+            region = fast_copy(self, c, n);
+        if (!region) {
+            pending = Py_BuildValue("(KiI)", (unsigned long long)slot, status, n);
+            if (!pending)
+                goto error;
+            break;
+        }
+        uint64_t start_ns = realtime_ns();
+        uint32_t length = n - 80;
+        uint32_t index = (self->fast_head + self->fast_used) % self->fast_slots;
+        uint8_t *out = (uint8_t *)(uintptr_t)(self->fast_addr + (uint64_t)index * self->fast_slot);
+        uint64_t job_id = le64(c + 8), dst = le64(c + 40);
+        uint32_t rkey = le32(c + 52), deadline_ms = le32(c + 20);
+        memcpy(out + 80, c + 80, length);
+        struct ibv_sge rsge = {.addr = (uintptr_t)c, .length = self->recv_slot,
+                               .lkey = self->recv_lkey};
+        struct ibv_recv_wr rwr = {.wr_id = slot, .sg_list = &rsge, .num_sge = 1};
+        struct ibv_recv_wr *rbad = NULL;
+        err = ibv_post_recv(self->qp, &rwr, &rbad);
+        uint64_t end_ns = realtime_ns();
+        memset(out, 0, 80);
+        out[0] = 'D';
+        out[1] = 'C';
+        out[2] = 1;
+        out[3] = 3; /* COMPLETION */
+        out[4] = 80;
+        put64(out + 8, job_id);
+        out[18] = 3; /* SUCCEEDED, status 0 */
+        put64(out + 24, length); /* bytes_read: the inline source */
+        put64(out + 32, length); /* bytes_written */
+        put64(out + 48, submit_ns);
+        put64(out + 56, start_ns);
+        put64(out + 64, end_ns);
+        PyObject *job = Py_BuildValue("(KIKIIKKKK)", (unsigned long long)job_id, length,
+                                      (unsigned long long)dst, rkey, deadline_ms,
+                                      (unsigned long long)submit_ns,
+                                      (unsigned long long)start_ns,
+                                      (unsigned long long)end_ns, (unsigned long long)next_id);
+        if (!job || PyList_Append(jobs, job) < 0) {
+            Py_XDECREF(job);
+            goto error;
+        }
+        Py_DECREF(job);
+        if (err)
+            break;
+        struct ibv_sge sges[2] = {{.addr = (uintptr_t)(out + 80), .length = length,
+                                   .lkey = self->fast_lkey},
+                                  {.addr = (uintptr_t)out, .length = 80, .lkey = self->fast_lkey}};
+        struct ibv_send_wr send = {.wr_id = next_id + 1, .sg_list = &sges[1], .num_sge = 1,
+                                   .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED};
+        struct ibv_send_wr write = {.wr_id = next_id, .next = &send, .sg_list = &sges[0],
+                                    .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE};
+        write.wr.rdma.remote_addr = dst;
+        write.wr.rdma.rkey = rkey;
+        self->fast_send_id[index] = next_id + 1;
+        self->fast_used++;
+        next_id += 2;
+        room -= 2;
+        err = do_post(self, &write);
+        if (err)
+            break;
+    }
+    PyObject *result = Py_BuildValue("(KNOi)", (unsigned long long)next_id, jobs,
+                                     pending ? pending : Py_None, err);
+    Py_XDECREF(pending);
+    return result;
+error:
+    Py_DECREF(jobs);
+    Py_XDECREF(pending);
+    return NULL;
+}
+
+/* close(): forget the pointers (pyverbs destroys the resources). Idempotent. */
+static PyObject *Qp_close(Qp *self, PyObject *unused)
+{
+    self->live = 0;
+    self->qp = NULL;
+    self->send_cq = self->recv_cq = NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Qp_methods[] = {
+    {"post_send", (PyCFunction)(void (*)(void))Qp_post_send, METH_FASTCALL,
+     "post_send(wr_id, addr, length, lkey) -> errno: a signalled SEND of one SGE"},
+    {"post_rdma", (PyCFunction)(void (*)(void))Qp_post_rdma, METH_FASTCALL,
+     "post_rdma(wr_id, read, addr, length, lkey, remote_addr, rkey, signaled) -> errno"},
+    {"post_chain", (PyCFunction)(void (*)(void))Qp_post_chain, METH_FASTCALL,
+     "post_chain(write_id, addr, length, lkey, remote_addr, rkey, send_id, send_addr, "
+     "send_length, send_lkey) -> errno: an unsignalled WRITE then a signalled SEND"},
+    {"post_recv", (PyCFunction)Qp_post_recv, METH_O, "post_recv(slot) -> errno"},
+    {"poll_send", (PyCFunction)Qp_poll_send, METH_NOARGS,
+     "poll_send() -> (wr_id, status) or None"},
+    {"poll_recv", (PyCFunction)Qp_poll_recv, METH_NOARGS,
+     "poll_recv() -> (slot, status, byte_len) or None"},
+    {"spin_recv", (PyCFunction)Qp_spin_recv, METH_O,
+     "spin_recv(timeout_ns) -> (slot, status, byte_len) or None, the GIL released"},
+    {"fast_setup", (PyCFunction)Qp_fast_setup, METH_VARARGS,
+     "fast_setup(addr, lkey, slot_bytes, slots, inline_max): the agent's fast ring"},
+    {"set_regions", (PyCFunction)Qp_set_regions, METH_O,
+     "set_regions([(addr, length, rkey), ...]): where fast jobs may WRITE"},
+    {"serve", (PyCFunction)(void (*)(void))Qp_serve, METH_FASTCALL,
+     "serve(budget, next_wr_id, room) -> (next_wr_id, jobs, pending, errno)"},
+    {"close", (PyCFunction)Qp_close, METH_NOARGS, "forget the pointers; idempotent"},
+    {NULL, NULL, 0, NULL},
+};
+
+static void Qp_dealloc(Qp *self)
+{
+    PyMem_Free(self->fast_send_id);
+    PyMem_Free(self->regions);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject QpType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "dpu_wire.transport._vcore.Qp",
+    .tp_basicsize = sizeof(Qp),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Posts and polls of one RC QP whose resources pyverbs owns.",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)Qp_dealloc,
+    .tp_init = (initproc)Qp_init,
+    .tp_methods = Qp_methods,
+};
+
+static PyMethodDef module_methods[] = {
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_vcore",
+    .m_doc = "The verbs transport's per-operation calls in C (see dpu_wire/transport/native.py).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__vcore(void)
+{
+    if (PyType_Ready(&QpType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&QpType);
+    if (PyModule_AddObject(m, "Qp", (PyObject *)&QpType) < 0) {
+        Py_DECREF(&QpType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
