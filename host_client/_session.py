@@ -38,7 +38,7 @@ from host_client._request_ids import current as current_request_id
 from host_client._request_ids import for_call
 
 if TYPE_CHECKING:
-    from collections.abc import Generator, Iterable, Sequence
+    from collections.abc import Callable, Generator, Iterable, Sequence
     from types import TracebackType
 
     from dpu_wire.transport.base import HostLink, Region
@@ -148,18 +148,27 @@ class JobRequest:
 class Job:
     """A submitted job; `await job` gives its Completion (exactly one)."""
 
-    __slots__ = ("_future", "job_id", "kind")
+    __slots__ = ("_future", "_wait", "job_id", "kind")
 
-    def __init__(self, job_id: int, kind: JobKind, future: asyncio.Future[Completion]) -> None:
+    def __init__(
+        self,
+        job_id: int,
+        kind: JobKind,
+        future: asyncio.Future[Completion],
+        wait: Callable[[], None] | None = None,
+    ) -> None:
         self.job_id = job_id
         self.kind = kind
         self._future = future
+        self._wait = wait  # takes a due completion without a loop turn (`HostLink.wait`)
 
     def done(self) -> bool:
         """Whether the completion arrived."""
         return self._future.done()
 
     def __await__(self) -> Generator[object, None, Completion]:
+        if self._wait is not None and not self._future.done():
+            self._wait()
         return self._future.__await__()
 
 
@@ -453,10 +462,19 @@ class Session:
                 del pending[job_id]
                 slots.give()
                 raise InvalidArgumentError("INVALID_ARGUMENT", str(exc)) from None
-            jobs.append(Job(job_id, request.kind, future))
+            jobs.append(Job(job_id, request.kind, future, self._wait_alone))
         if batch:
             self._send(batch)
         return jobs
+
+    def _wait_alone(self) -> None:
+        """Let the link take the completion of the only job in flight (`HostLink.wait`).
+
+        Only then: a spin keeps the event loop from the program's other tasks, which
+        with several jobs in flight have completions coming anyway.
+        """
+        if len(self._pending) == 1 and self.error is None:
+            self._link.wait()
 
     def _send(self, capsules: Sequence[OutCapsule]) -> None:
         try:

@@ -154,6 +154,13 @@ class JobRecord:
             self.result = 0
         return True
 
+    def finish_at(self, start_ns: int, end_ns: int) -> None:
+        """QUEUED → SUCCEEDED with the times the link's fast path measured."""
+        self.done = True
+        self.state = JobState.SUCCEEDED
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+
     def encode_completion(self) -> bytes:
         """The COMPLETION capsule of a finished job."""
         return capsule.pack_completion(

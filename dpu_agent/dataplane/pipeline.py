@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import status
 from dpu_agent.dataplane.admission import JobRequest, admit
-from dpu_agent.dataplane.jobs import JobRecord, Origin
+from dpu_agent.dataplane.jobs import JobRecord, JobState, Origin
 from dpu_agent.dataplane.runners import (
     PIPELINED,
     RUNNERS,
@@ -60,7 +60,7 @@ from dpu_agent.errors import (
 from dpu_wire import capsule
 from dpu_wire.capsule import CapsuleError, Opcode, Span, State
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
-from dpu_wire.transport.base import LinkSink, TransportError, max_waiting
+from dpu_wire.transport.base import FastJob, LinkSink, TransportError, max_waiting
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -105,6 +105,14 @@ class SessionHooks:
     def rejected(self) -> None:
         """A capsule was answered without making a job."""
         raise NotImplementedError
+
+    def ready(self) -> bool:
+        """Whether `check_accepting` would pass (asked once per pass by the fast path)."""
+        try:
+            self.check_accepting()
+        except AgentError:
+            return False
+        return True
 
 
 class Counters:
@@ -242,6 +250,11 @@ class Pipeline(LinkSink):
         self.failed = False
         self.closed = False
         self.counters = Counters()
+        # The link's fast path (`AgentLink.fast_regions`): it runs inline COPY jobs
+        # itself while this session has no job open; the regions it may WRITE are
+        # pushed again whenever the table changed (`fast_allowed`).
+        self._fast = link.fast_regions([], self)
+        self._fast_version = -1
 
     # ------------------------------------------------------------ LinkOwner
 
@@ -266,6 +279,66 @@ class Pipeline(LinkSink):
         error = self.link.error
         if error is not None:
             self.fail(error)
+
+    def fast_allowed(self) -> bool:
+        """FastSink: whether the link may run jobs itself (nothing of ours is in flight).
+
+        Then no job is open (no job id in use, every queue slot free), no COMPLETION
+        waits for the link and no store write for the pass, the session is ACTIVE and
+        the agent not draining: the checks the link does not make itself.
+        """
+        if (
+            self.open
+            or self._backlog
+            or self._writes
+            or self.failed
+            or self.closed
+            or not self._hooks.ready()
+        ):
+            return False
+        regions = self.regions
+        if regions.version != self._fast_version:
+            self._fast_version = regions.version
+            self.link.fast_regions(regions.writable(), self)
+        return True
+
+    def on_fast_jobs(self, jobs: list[FastJob], failed: bool) -> None:  # noqa: FBT001 - FastSink's shape
+        """FastSink: record the inline COPY jobs the link ran and answered itself.
+
+        Each becomes the JobRecord the pipeline would have made (GetJob, the retained
+        jobs, metrics, watch streams and events see no difference); the last one failed
+        with the link if `failed` (its COMPLETION was never posted).
+        """
+        now = time.monotonic()
+        default = self.default_deadline
+        request_id = self._open_request_id
+        c = self.counters
+        for job_id, length, dst, rkey, deadline_ms, submit_ns, start_ns, end_ns, _ in jobs:
+            job = JobRecord(
+                job_id,
+                JobKind.COPY,
+                Span(0, length, 0),
+                Span(dst, length, rkey),
+                Origin.CAPSULE,
+                now + (deadline_ms / 1000 if deadline_ms else default),
+                rpc_request_id=request_id,
+                submit_ns=submit_ns,
+            )
+            job.bytes_read = job.bytes_written = length
+            job.finish_at(start_ns, end_ns)
+            self._retain(job)
+            self._finished.append(job)
+        c.jobs_submitted += len(jobs)
+        c.jobs_completed += len(jobs)
+        done = sum(job[1] for job in jobs)
+        c.bytes_read += done
+        c.bytes_written += done
+        if failed and jobs:
+            last = self._finished[-1]
+            last.state, last.status = JobState.FAILED, status.UNAVAILABLE
+            last.message = "the data plane failed before the job's COMPLETION was sent"
+            c.jobs_completed -= 1
+            c.jobs_failed += 1
 
     # ------------------------------------------------------------ AdmissionContext
 

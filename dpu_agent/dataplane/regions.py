@@ -8,7 +8,7 @@ error state and kills the whole session, so a bad job must fail alone, first.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from dpu_agent.errors import (
     AlreadyExists,
@@ -18,11 +18,10 @@ from dpu_agent.errors import (
     ResourceExhausted,
 )
 from dpu_wire.capsule import U32_MAX, U64_MAX, Span
-
-if TYPE_CHECKING:
-    from dpu_wire.transport.base import Access
+from dpu_wire.transport.base import Access
 
 MAX_REGIONS_PER_SESSION: Final = 1024
+_WRITE: Final = Access.REMOTE_WRITE.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +42,7 @@ class RegionTable:
         self._by_id: dict[str, AdvertisedRegion] = {}
         self._by_rkey: dict[int, AdvertisedRegion] = {}
         self._limit = limit
+        self.version = 0  # counts changes: the link's fast path re-reads on a new one
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -68,11 +68,13 @@ class RegionTable:
             raise InvalidArgument(f"region {region.region_id!r}: grants no access")
         self._by_id[region.region_id] = region
         self._by_rkey[region.rkey] = region
+        self.version += 1
 
     def clear(self) -> None:
         """Forget every region."""
         self._by_id.clear()
         self._by_rkey.clear()
+        self.version += 1
 
     def remove(self, region_id: str) -> AdvertisedRegion:
         """Withdraw a region by id."""
@@ -80,6 +82,7 @@ class RegionTable:
         if region is None:
             raise NotFound(f"region {region_id!r} is not advertised")
         del self._by_rkey[region.rkey]
+        self.version += 1
         return region
 
     def get(self, region_id: str) -> AdvertisedRegion:
@@ -92,6 +95,10 @@ class RegionTable:
     def all(self) -> list[AdvertisedRegion]:
         """Every region, in advertisement order."""
         return list(self._by_id.values())
+
+    def writable(self) -> list[tuple[int, int, int]]:
+        """(addr, length, rkey) of every region that grants REMOTE_WRITE."""
+        return [(r.addr, r.length, r.rkey) for r in self._by_id.values() if r.access.value & _WRITE]
 
     def check_span(self, span: Span, need: Access, what: str) -> AdvertisedRegion:
         """The region `span` lies in, if it grants `need`; else a domain error saying why."""

@@ -208,6 +208,10 @@ class Session(SessionHooks):
         if not self.accepting:
             raise Unavailable("the agent is shutting down and takes no new jobs")
 
+    def ready(self) -> bool:
+        """Whether `check_accepting` would pass."""
+        return self.state == SessionState.ACTIVE and self.accepting
+
     def volume_of(self, handle: int) -> str | None:
         """The volume attached under `handle`."""
         return self._volumes.get(handle)
