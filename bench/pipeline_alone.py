@@ -83,6 +83,10 @@ class _Link:
         if operands[-1] is not None:
             self._done.append(operands[-1])
 
+    def fast_regions(self, _regions: list[tuple[int, int, int]], _sink: object) -> bool:
+        """No native core: the bench measures the pipeline's Python."""
+        return False
+
     def flush(self) -> None:
         done, self._done = self._done, []
         assert self.sink is not None  # noqa: S101 - set before the first job

@@ -414,7 +414,11 @@ class Session:
     # ------------------------------------------------------------------ jobs (fast path)
     async def submit(self, request: JobRequest) -> Job:
         """Submit one job as a capsule; waits for a queue credit."""
-        return (await self.submit_many((request,)))[0]
+        if self.error is not None or self._closed or not self._credits.try_take():
+            return (await self.submit_many((request,)))[0]
+        job, out = self._prepare(request, asyncio.get_running_loop())
+        self._send((out,))
+        return job
 
     async def submit_many(self, requests: Iterable[JobRequest]) -> list[Job]:
         """Submit jobs as capsules in one send, waiting for credits as needed.
@@ -426,8 +430,7 @@ class Session:
         loop = asyncio.get_running_loop()
         jobs: list[Job] = []
         batch: list[OutCapsule] = []
-        slots, pending = self._credits, self._pending
-        inline_max = self.inline_max
+        slots = self._credits
         for request in requests:
             if not slots.try_take():
                 if batch:  # send what has credits before waiting for more
@@ -437,35 +440,44 @@ class Session:
             if self.error is not None:
                 slots.give()
                 raise self.error
-            job_id = next(self._ids)
-            future: asyncio.Future[Completion] = loop.create_future()
-            pending[job_id] = (future, KINDS[request.kind].result is Result.CRC32C)
-            source, flags, inline = request.source, request.flags, None
-            if 0 < source[1] <= inline_max and KINDS[request.kind].source:
-                inline = self._link.local_view(source)  # None: the agent refuses the span
-                if inline is not None:
-                    source, flags = Span(0, source[1], 0), flags | FLAG_INLINE
-            try:
-                submit = capsule.pack_submit(
-                    job_id,
-                    request.kind,
-                    source,
-                    request.destination,
-                    deadline_ms=request.deadline_ms,
-                    offset=request.offset,
-                    handle=request.handle,
-                    length=request.length,
-                    flags=flags,
-                )
-                batch.append(submit if inline is None else (submit, inline))
-            except ValueError as exc:
-                del pending[job_id]
-                slots.give()
-                raise InvalidArgumentError("INVALID_ARGUMENT", str(exc)) from None
-            jobs.append(Job(job_id, request.kind, future, self._wait_alone))
+            job, out = self._prepare(request, loop)
+            batch.append(out)
+            jobs.append(job)
         if batch:
             self._send(batch)
         return jobs
+
+    def _prepare(
+        self, request: JobRequest, loop: asyncio.AbstractEventLoop
+    ) -> tuple[Job, OutCapsule]:
+        """A job and its SUBMIT for `request`, whose credit is taken (given back on error)."""
+        job_id = next(self._ids)
+        row = KINDS[request.kind]
+        future: asyncio.Future[Completion] = loop.create_future()
+        self._pending[job_id] = (future, row.result is Result.CRC32C)
+        source, flags, inline = request.source, request.flags, None
+        if 0 < source[1] <= self.inline_max and row.source:
+            inline = self._link.local_view(source)  # None: the agent refuses the span
+            if inline is not None:
+                source, flags = Span(0, source[1], 0), flags | FLAG_INLINE
+        try:
+            submit = capsule.pack_submit(
+                job_id,
+                request.kind,
+                source,
+                request.destination,
+                deadline_ms=request.deadline_ms,
+                offset=request.offset,
+                handle=request.handle,
+                length=request.length,
+                flags=flags,
+            )
+        except ValueError as exc:
+            del self._pending[job_id]
+            self._credits.give()
+            raise InvalidArgumentError("INVALID_ARGUMENT", str(exc)) from None
+        job = Job(job_id, request.kind, future, self._wait_alone)
+        return job, (submit if inline is None else (submit, inline))
 
     def _wait_alone(self) -> None:
         """Let the link take the completion of the only job in flight (`HostLink.wait`).

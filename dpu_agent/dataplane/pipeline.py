@@ -118,9 +118,17 @@ class SessionHooks:
 class Counters:
     """A session's 64-bit job counters (written on the reactor thread)."""
 
-    __slots__ = ("bytes_read", "bytes_written", "jobs_completed", "jobs_failed", "jobs_submitted")
+    __slots__ = (
+        "bytes_read",
+        "bytes_written",
+        "jobs_completed",
+        "jobs_failed",
+        "jobs_native",
+        "jobs_submitted",
+    )
 
     def __init__(self) -> None:
+        self.jobs_native = 0  # of jobs_completed: run by the link's native core
         self.jobs_submitted = 0
         self.jobs_completed = 0
         self.jobs_failed = 0
@@ -330,6 +338,7 @@ class Pipeline(LinkSink):
             self._finished.append(job)
         c.jobs_submitted += len(jobs)
         c.jobs_completed += len(jobs)
+        c.jobs_native += len(jobs)
         done = sum(job[1] for job in jobs)
         c.bytes_read += done
         c.bytes_written += done
@@ -338,6 +347,7 @@ class Pipeline(LinkSink):
             last.state, last.status = JobState.FAILED, status.UNAVAILABLE
             last.message = "the data plane failed before the job's COMPLETION was sent"
             c.jobs_completed -= 1
+            c.jobs_native -= 1
             c.jobs_failed += 1
 
     # ------------------------------------------------------------ AdmissionContext

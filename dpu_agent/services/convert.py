@@ -111,6 +111,7 @@ def session(s: Session, *, with_token: bool = False) -> session_pb2.Session:
             bytes_read=c.bytes_read,
             bytes_written=c.bytes_written,
             regions=len(s.regions),
+            jobs_native=c.jobs_native,
         ),
     )
     if s.error is not None:

@@ -158,6 +158,48 @@ static PyObject *Qp_post_send(Qp *self, PyObject *const *args, Py_ssize_t nargs)
     return post_result(do_post(self, &wr));
 }
 
+/* send_copy(wr_id, addr, room, lkey, head, tail) -> errno: copy `head` then `tail`
+ * (bytes-like; tail may be None) to `addr`, a send slot of `room` bytes, and post a
+ * signalled SEND of them. */
+static PyObject *Qp_send_copy(Qp *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t wr_id, addr;
+    uint32_t room, lkey;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "send_copy(wr_id, addr, room, lkey, head, tail)");
+        return NULL;
+    }
+    if (!qp_live(self) || !parse_u64(args[0], &wr_id) || !parse_u64(args[1], &addr) ||
+        !parse_u32(args[2], &room) || !parse_u32(args[3], &lkey))
+        return NULL;
+    Py_buffer head, tail = {0};
+    if (PyObject_GetBuffer(args[4], &head, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (args[5] != Py_None && PyObject_GetBuffer(args[5], &tail, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&head);
+        return NULL;
+    }
+    size_t total = (size_t)head.len + (size_t)tail.len;
+    if (total > room) {
+        PyBuffer_Release(&head);
+        if (tail.obj)
+            PyBuffer_Release(&tail);
+        PyErr_SetString(PyExc_ValueError, "the capsule exceeds its send slot");
+        return NULL;
+    }
+    uint8_t *slot = (uint8_t *)(uintptr_t)addr;
+    memcpy(slot, head.buf, (size_t)head.len);
+    if (tail.obj)
+        memcpy(slot + head.len, tail.buf, (size_t)tail.len);
+    PyBuffer_Release(&head);
+    if (tail.obj)
+        PyBuffer_Release(&tail);
+    struct ibv_sge sge = {.addr = addr, .length = (uint32_t)total, .lkey = lkey};
+    struct ibv_send_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
+                             .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED};
+    return post_result(do_post(self, &wr));
+}
+
 /* post_rdma(wr_id, read, addr, length, lkey, remote_addr, rkey, signaled) -> errno. */
 static PyObject *Qp_post_rdma(Qp *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -446,7 +488,8 @@ static const FastRegion *fast_copy(Qp *self, const uint8_t *c, uint32_t n)
  *
  * The agent's fast path, while the pipeline allows it (no job of the session open in
  * Python, nothing queued to send): takes up to `budget` capsules from the receive CQ
- * and runs each inline COPY to its end here. Its data goes from the RECV buffer into
+ * and runs each inline COPY to its end here, while the send queue has `room` for it
+ * and a fast slot is free. Its data goes from the RECV buffer into
  * a fast slot after the slot's COMPLETION, the RECV is reposted, and the WRITE
  * (unsignalled) and the COMPLETION's SEND (signalled) go in one post, wr_ids
  * next_wr_id and next_wr_id + 1. The first capsule that is anything else stops the
@@ -472,7 +515,7 @@ static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     PyObject *pending = NULL;
     int err = 0;
-    while (FAST_PATH && budget-- > 0 && room >= 2 && self->fast_used < self->fast_slots) {
+    while (FAST_PATH && budget-- > 0) {
         uint64_t slot = 0;
         int status = 0;
         uint32_t n = 0;
@@ -483,7 +526,11 @@ static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
         const uint8_t *c = (const uint8_t *)(uintptr_t)(self->recv_addr +
                                                         (slot % self->recv_depth) * self->recv_slot);
         const FastRegion *region = NULL;
-        if (status == IBV_WC_SUCCESS && slot < self->recv_depth && n <= self->recv_slot)
+        /* Without room for a WRITE and a SEND, or a free fast slot, the pipeline takes
+         * the job: it queues what cannot be posted yet and keeps the spec's bound on
+         * COMPLETIONs that wait (DP-2.6-6), which a core that stopped reading would not. */
+        if (status == IBV_WC_SUCCESS && slot < self->recv_depth && n <= self->recv_slot &&
+            room >= 2 && self->fast_used < self->fast_slots)
             region = fast_copy(self, c, n);
         if (!region) {
             pending = Py_BuildValue("(KiI)", (unsigned long long)slot, status, n);
@@ -568,6 +615,8 @@ static PyObject *Qp_close(Qp *self, PyObject *unused)
 static PyMethodDef Qp_methods[] = {
     {"post_send", (PyCFunction)(void (*)(void))Qp_post_send, METH_FASTCALL,
      "post_send(wr_id, addr, length, lkey) -> errno: a signalled SEND of one SGE"},
+    {"send_copy", (PyCFunction)(void (*)(void))Qp_send_copy, METH_FASTCALL,
+     "send_copy(wr_id, addr, room, lkey, head, tail) -> errno: copy into a slot, SEND it"},
     {"post_rdma", (PyCFunction)(void (*)(void))Qp_post_rdma, METH_FASTCALL,
      "post_rdma(wr_id, read, addr, length, lkey, remote_addr, rkey, signaled) -> errno"},
     {"post_chain", (PyCFunction)(void (*)(void))Qp_post_chain, METH_FASTCALL,

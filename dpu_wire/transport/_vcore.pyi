@@ -17,6 +17,16 @@ class Qp:
         recv_lkey: int,
     ) -> None: ...
     def post_send(self, wr_id: int, addr: int, length: int, lkey: int, /) -> int: ...
+    def send_copy(
+        self,
+        wr_id: int,
+        addr: int,
+        room: int,
+        lkey: int,
+        head: bytes | memoryview,
+        tail: bytes | memoryview | None,
+        /,
+    ) -> int: ...
     def post_rdma(
         self,
         wr_id: int,

@@ -131,6 +131,7 @@ RD_ATOMIC: Final = 16  # RDMA READs in flight (clamped to what the device suppor
 HOP_LIMIT: Final = 64  # RoCEv2 may cross routers
 RECV_BATCH: Final = 16  # RECV completions taken per poll of the receive CQ
 DEFAULT_SPIN_S: Final = 0.002  # how long a host link polls after the last activity
+WAIT_TURNS: Final = 32  # `HostLink.wait` spins in a row before the event loop must turn
 
 _EVENT_FD_LINK: Final = "anon_inode:[infinibandevent]"
 _MTU_BYTES: Final = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # enum ibv_mtu -> bytes
@@ -629,6 +630,17 @@ class _QueuePair:
             raise TransportError("no free send slot (more capsules in flight than queue_depth)")
         slot = self._free_slots.pop()
         offset = slot * self._send_slot
+        core = self._native
+        if core is not None and self._held is None:  # copy and post in one call
+            wr_id = self._next_wr_id
+            self._next_wr_id = wr_id + 1
+            ring = self._send_ring
+            rc = core.send_copy(
+                wr_id, ring.addr + offset, self._send_slot, ring.lkey, capsule, tail
+            )
+            self._native_posted(rc, "SEND", slot)
+            self._sq.append((wr_id, token, slot))
+            return
         view = self._send_ring.view
         view[offset : offset + size] = capsule
         if tail is not None:
@@ -1324,6 +1336,7 @@ class VerbsHostLink(HostLink):
         self._backlog: collections.deque[tuple[bytes, memoryview | None]] = collections.deque()
         self.inline_max = 0  # sources SUBMITs carry inline (`accept_inline`)
         self._by_rkey: dict[int, VerbsRegion] = {}  # the regions registered, for local_view
+        self._waits = 0  # `wait` calls since the event loop last turned (ran `_step`)
 
     @property
     def address(self) -> VerbsAddress:
@@ -1333,6 +1346,11 @@ class VerbsHostLink(HostLink):
     async def connect(self, agent: PeerAddress | None) -> None:
         """Connect to the agent's QP (its address came back from OpenSession)."""
         self._qp.connect(agent)
+
+    @property
+    def native(self) -> bool:
+        """Whether the link posts and polls through the native core (`native.py`)."""
+        return self._qp.native
 
     def register(self, length: int, access: Access) -> VerbsRegion:
         """Allocate `length` bytes and register them with only the access asked for."""
@@ -1381,10 +1399,21 @@ class VerbsHostLink(HostLink):
         SENDs complete. A `(submit, source)` pair goes as one SEND once `accept_inline`
         allowed inline sources.
         """
-        if self._qp.error is not None:
-            raise self._qp.error
+        qp = self._qp
+        if qp.error is not None:
+            raise qp.error
+        if len(capsules) == 1 and not self._backlog and qp.send_room():
+            capsule = capsules[0]  # one capsule and room for it: straight out
+            if isinstance(capsule, tuple):
+                if not self.inline_max:
+                    raise TypeError("this link carries no inline sources (inline_max 0)")
+                qp.post_send(capsule[0], None, capsule[1])
+            else:
+                qp.post_send(capsule, None)
+            self._kick()
+            return
         out: list[tuple[bytes, memoryview | None]] = []
-        limit = self._qp.send_slot
+        limit = qp.send_slot
         for capsule in capsules:
             if isinstance(capsule, tuple):
                 if not self.inline_max:
@@ -1417,6 +1446,7 @@ class VerbsHostLink(HostLink):
     def _step(self) -> None:
         """One poll; come back next loop iteration while busy, else arm and sleep."""
         self._polling = False
+        self._waits = 0
         if self._closed:
             return
         qp = self._qp
@@ -1441,9 +1471,17 @@ class VerbsHostLink(HostLink):
         self._kick()
 
     def wait(self) -> None:
-        """Spin up to `spin` s for the next capsule with the native core (HostLink.wait)."""
+        """Spin up to `spin` s for the next capsule with the native core (HostLink.wait).
+
+        At most `WAIT_TURNS` times in a row between two turns of the event loop (each
+        turn runs `_step`): a program that awaits only jobs answered this way would
+        otherwise never let its other tasks run.
+        """
         if self._closed or self._loop is None or not self._qp.native:
             return
+        if self._waits >= WAIT_TURNS:
+            return
+        self._waits += 1
         if self._qp.spin_recv(self, self._spin):
             self._last = time.monotonic()
             self._qp.poll(self, RECV_BATCH)  # what landed with it, and the send completions

@@ -27,17 +27,17 @@ from dpu_wire.v1 import agent_pb2 as dpu_dot_v1_dot_agent__pb2
 from dpu_wire.v1 import common_pb2 as dpu_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64pu/v1/session.proto\x12\x06\x64pu.v1\x1a\x12\x64pu/v1/agent.proto\x1a\x13\x64pu/v1/common.proto\"^\n\x08\x45ndpoint\x12&\n\x05verbs\x18\x01 \x01(\x0b\x32\x15.dpu.v1.VerbsEndpointH\x00\x12\"\n\x03tcp\x18\x02 \x01(\x0b\x32\x13.dpu.v1.TcpEndpointH\x00\x42\x06\n\x04kind\"S\n\rVerbsEndpoint\x12\x0b\n\x03gid\x18\x01 \x01(\x0c\x12\x0e\n\x06qp_num\x18\x02 \x01(\r\x12\x0b\n\x03psn\x18\x03 \x01(\r\x12\x0b\n\x03mtu\x18\x04 \x01(\r\x12\x0b\n\x03lid\x18\x05 \x01(\r\"8\n\x0bTcpEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\r\n\x05token\x18\x03 \x01(\x0c\"\xcb\x02\n\x07Session\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12$\n\ttransport\x18\x03 \x01(\x0e\x32\x11.dpu.v1.Transport\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.dpu.v1.SessionState\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x14\n\x0c\x63lient_label\x18\x06 \x01(\t\x12(\n\x0e\x61gent_endpoint\x18\x07 \x01(\x0b\x32\x10.dpu.v1.Endpoint\x12$\n\x05times\x18\x08 \x01(\x0b\x32\x15.dpu.v1.ResourceTimes\x12)\n\x08\x63ounters\x18\t \x01(\x0b\x32\x17.dpu.v1.SessionCounters\x12\x1d\n\x05\x65rror\x18\n \x01(\x0b\x32\x0e.dpu.v1.Status\x12\x12\n\ninline_max\x18\x0b \x01(\r\"\x92\x01\n\x0fSessionCounters\x12\x16\n\x0ejobs_submitted\x18\x01 \x01(\x04\x12\x16\n\x0ejobs_completed\x18\x02 \x01(\x04\x12\x13\n\x0bjobs_failed\x18\x03 \x01(\x04\x12\x12\n\nbytes_read\x18\x04 \x01(\x04\x12\x15\n\rbytes_written\x18\x05 \x01(\x04\x12\x0f\n\x07regions\x18\x06 \x01(\x04\"\xa2\x01\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\ttransport\x18\x02 \x01(\x0e\x32\x11.dpu.v1.Transport\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x14\n\x0c\x63lient_label\x18\x04 \x01(\t\x12\'\n\rhost_endpoint\x18\x05 \x01(\x0b\x32\x10.dpu.v1.Endpoint\"!\n\x11GetSessionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x13ListSessionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"R\n\x14ListSessionsResponse\x12!\n\x08sessions\x18\x01 \x03(\x0b\x32\x0f.dpu.v1.Session\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"7\n\x13\x43loseSessionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"n\n\x0cMemoryRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04rkey\x18\x04 \x01(\r\x12$\n\x06\x61\x63\x63\x65ss\x18\x05 \x03(\x0e\x32\x14.dpu.v1.RegionAccess\"e\n\x17\x41\x64vertiseRegionsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12%\n\x07regions\x18\x02 \x03(\x0b\x32\x14.dpu.v1.MemoryRegion\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"A\n\x18\x41\x64vertiseRegionsResponse\x12%\n\x07regions\x18\x01 \x03(\x0b\x32\x14.dpu.v1.MemoryRegion\"9\n\x15WithdrawRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x18\n\x16WithdrawRegionResponse\"J\n\x13\x41ttachVolumeRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06volume\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"C\n\x10VolumeAttachment\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06volume\x18\x02 \x01(\t\x12\x0e\n\x06handle\x18\x03 \x01(\r\"J\n\x13\x44\x65tachVolumeRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06volume\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x16\n\x14\x44\x65tachVolumeResponse\"F\n\x12RegisterKeyRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\",\n\tKeyHandle\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\r*\xb4\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18SESSION_STATE_CONNECTING\x10\x01\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x02\x12\x19\n\x15SESSION_STATE_CLOSING\x10\x03\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x04\x12\x18\n\x14SESSION_STATE_FAILED\x10\x05*l\n\x0cRegionAccess\x12\x1d\n\x19REGION_ACCESS_UNSPECIFIED\x10\x00\x12\x1d\n\x19REGION_ACCESS_REMOTE_READ\x10\x01\x12\x1e\n\x1aREGION_ACCESS_REMOTE_WRITE\x10\x02\x32\x94\x05\n\x0eSessionService\x12:\n\x0bOpenSession\x12\x1a.dpu.v1.OpenSessionRequest\x1a\x0f.dpu.v1.Session\x12\x38\n\nGetSession\x12\x19.dpu.v1.GetSessionRequest\x1a\x0f.dpu.v1.Session\x12I\n\x0cListSessions\x12\x1b.dpu.v1.ListSessionsRequest\x1a\x1c.dpu.v1.ListSessionsResponse\x12I\n\x0c\x43loseSession\x12\x1b.dpu.v1.CloseSessionRequest\x1a\x1c.dpu.v1.CloseSessionResponse\x12U\n\x10\x41\x64vertiseRegions\x12\x1f.dpu.v1.AdvertiseRegionsRequest\x1a .dpu.v1.AdvertiseRegionsResponse\x12O\n\x0eWithdrawRegion\x12\x1d.dpu.v1.WithdrawRegionRequest\x1a\x1e.dpu.v1.WithdrawRegionResponse\x12\x45\n\x0c\x41ttachVolume\x12\x1b.dpu.v1.AttachVolumeRequest\x1a\x18.dpu.v1.VolumeAttachment\x12I\n\x0c\x44\x65tachVolume\x12\x1b.dpu.v1.DetachVolumeRequest\x1a\x1c.dpu.v1.DetachVolumeResponse\x12<\n\x0bRegisterKey\x12\x1a.dpu.v1.RegisterKeyRequest\x1a\x11.dpu.v1.KeyHandleb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64pu/v1/session.proto\x12\x06\x64pu.v1\x1a\x12\x64pu/v1/agent.proto\x1a\x13\x64pu/v1/common.proto\"^\n\x08\x45ndpoint\x12&\n\x05verbs\x18\x01 \x01(\x0b\x32\x15.dpu.v1.VerbsEndpointH\x00\x12\"\n\x03tcp\x18\x02 \x01(\x0b\x32\x13.dpu.v1.TcpEndpointH\x00\x42\x06\n\x04kind\"S\n\rVerbsEndpoint\x12\x0b\n\x03gid\x18\x01 \x01(\x0c\x12\x0e\n\x06qp_num\x18\x02 \x01(\r\x12\x0b\n\x03psn\x18\x03 \x01(\r\x12\x0b\n\x03mtu\x18\x04 \x01(\r\x12\x0b\n\x03lid\x18\x05 \x01(\r\"8\n\x0bTcpEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\r\n\x05token\x18\x03 \x01(\x0c\"\xcb\x02\n\x07Session\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12$\n\ttransport\x18\x03 \x01(\x0e\x32\x11.dpu.v1.Transport\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.dpu.v1.SessionState\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x14\n\x0c\x63lient_label\x18\x06 \x01(\t\x12(\n\x0e\x61gent_endpoint\x18\x07 \x01(\x0b\x32\x10.dpu.v1.Endpoint\x12$\n\x05times\x18\x08 \x01(\x0b\x32\x15.dpu.v1.ResourceTimes\x12)\n\x08\x63ounters\x18\t \x01(\x0b\x32\x17.dpu.v1.SessionCounters\x12\x1d\n\x05\x65rror\x18\n \x01(\x0b\x32\x0e.dpu.v1.Status\x12\x12\n\ninline_max\x18\x0b \x01(\r\"\xa7\x01\n\x0fSessionCounters\x12\x16\n\x0ejobs_submitted\x18\x01 \x01(\x04\x12\x16\n\x0ejobs_completed\x18\x02 \x01(\x04\x12\x13\n\x0bjobs_failed\x18\x03 \x01(\x04\x12\x12\n\nbytes_read\x18\x04 \x01(\x04\x12\x15\n\rbytes_written\x18\x05 \x01(\x04\x12\x0f\n\x07regions\x18\x06 \x01(\x04\x12\x13\n\x0bjobs_native\x18\x07 \x01(\x04\"\xa2\x01\n\x12OpenSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\ttransport\x18\x02 \x01(\x0e\x32\x11.dpu.v1.Transport\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x14\n\x0c\x63lient_label\x18\x04 \x01(\t\x12\'\n\rhost_endpoint\x18\x05 \x01(\x0b\x32\x10.dpu.v1.Endpoint\"!\n\x11GetSessionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x13ListSessionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"R\n\x14ListSessionsResponse\x12!\n\x08sessions\x18\x01 \x03(\x0b\x32\x0f.dpu.v1.Session\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"7\n\x13\x43loseSessionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"n\n\x0cMemoryRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04rkey\x18\x04 \x01(\r\x12$\n\x06\x61\x63\x63\x65ss\x18\x05 \x03(\x0e\x32\x14.dpu.v1.RegionAccess\"e\n\x17\x41\x64vertiseRegionsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12%\n\x07regions\x18\x02 \x03(\x0b\x32\x14.dpu.v1.MemoryRegion\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"A\n\x18\x41\x64vertiseRegionsResponse\x12%\n\x07regions\x18\x01 \x03(\x0b\x32\x14.dpu.v1.MemoryRegion\"9\n\x15WithdrawRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x18\n\x16WithdrawRegionResponse\"J\n\x13\x41ttachVolumeRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06volume\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"C\n\x10VolumeAttachment\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06volume\x18\x02 \x01(\t\x12\x0e\n\x06handle\x18\x03 \x01(\r\"J\n\x13\x44\x65tachVolumeRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06volume\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x16\n\x14\x44\x65tachVolumeResponse\"F\n\x12RegisterKeyRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\",\n\tKeyHandle\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\r*\xb4\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18SESSION_STATE_CONNECTING\x10\x01\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x02\x12\x19\n\x15SESSION_STATE_CLOSING\x10\x03\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x04\x12\x18\n\x14SESSION_STATE_FAILED\x10\x05*l\n\x0cRegionAccess\x12\x1d\n\x19REGION_ACCESS_UNSPECIFIED\x10\x00\x12\x1d\n\x19REGION_ACCESS_REMOTE_READ\x10\x01\x12\x1e\n\x1aREGION_ACCESS_REMOTE_WRITE\x10\x02\x32\x94\x05\n\x0eSessionService\x12:\n\x0bOpenSession\x12\x1a.dpu.v1.OpenSessionRequest\x1a\x0f.dpu.v1.Session\x12\x38\n\nGetSession\x12\x19.dpu.v1.GetSessionRequest\x1a\x0f.dpu.v1.Session\x12I\n\x0cListSessions\x12\x1b.dpu.v1.ListSessionsRequest\x1a\x1c.dpu.v1.ListSessionsResponse\x12I\n\x0c\x43loseSession\x12\x1b.dpu.v1.CloseSessionRequest\x1a\x1c.dpu.v1.CloseSessionResponse\x12U\n\x10\x41\x64vertiseRegions\x12\x1f.dpu.v1.AdvertiseRegionsRequest\x1a .dpu.v1.AdvertiseRegionsResponse\x12O\n\x0eWithdrawRegion\x12\x1d.dpu.v1.WithdrawRegionRequest\x1a\x1e.dpu.v1.WithdrawRegionResponse\x12\x45\n\x0c\x41ttachVolume\x12\x1b.dpu.v1.AttachVolumeRequest\x1a\x18.dpu.v1.VolumeAttachment\x12I\n\x0c\x44\x65tachVolume\x12\x1b.dpu.v1.DetachVolumeRequest\x1a\x1c.dpu.v1.DetachVolumeResponse\x12<\n\x0bRegisterKey\x12\x1a.dpu.v1.RegisterKeyRequest\x1a\x11.dpu.v1.KeyHandleb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dpu.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONSTATE']._serialized_start=1953
-  _globals['_SESSIONSTATE']._serialized_end=2133
-  _globals['_REGIONACCESS']._serialized_start=2135
-  _globals['_REGIONACCESS']._serialized_end=2243
+  _globals['_SESSIONSTATE']._serialized_start=1974
+  _globals['_SESSIONSTATE']._serialized_end=2154
+  _globals['_REGIONACCESS']._serialized_start=2156
+  _globals['_REGIONACCESS']._serialized_end=2264
   _globals['_ENDPOINT']._serialized_start=73
   _globals['_ENDPOINT']._serialized_end=167
   _globals['_VERBSENDPOINT']._serialized_start=169
@@ -47,41 +47,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSION']._serialized_start=313
   _globals['_SESSION']._serialized_end=644
   _globals['_SESSIONCOUNTERS']._serialized_start=647
-  _globals['_SESSIONCOUNTERS']._serialized_end=793
-  _globals['_OPENSESSIONREQUEST']._serialized_start=796
-  _globals['_OPENSESSIONREQUEST']._serialized_end=958
-  _globals['_GETSESSIONREQUEST']._serialized_start=960
-  _globals['_GETSESSIONREQUEST']._serialized_end=993
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=995
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1055
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1057
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1139
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1141
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1196
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1198
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1220
-  _globals['_MEMORYREGION']._serialized_start=1222
-  _globals['_MEMORYREGION']._serialized_end=1332
-  _globals['_ADVERTISEREGIONSREQUEST']._serialized_start=1334
-  _globals['_ADVERTISEREGIONSREQUEST']._serialized_end=1435
-  _globals['_ADVERTISEREGIONSRESPONSE']._serialized_start=1437
-  _globals['_ADVERTISEREGIONSRESPONSE']._serialized_end=1502
-  _globals['_WITHDRAWREGIONREQUEST']._serialized_start=1504
-  _globals['_WITHDRAWREGIONREQUEST']._serialized_end=1561
-  _globals['_WITHDRAWREGIONRESPONSE']._serialized_start=1563
-  _globals['_WITHDRAWREGIONRESPONSE']._serialized_end=1587
-  _globals['_ATTACHVOLUMEREQUEST']._serialized_start=1589
-  _globals['_ATTACHVOLUMEREQUEST']._serialized_end=1663
-  _globals['_VOLUMEATTACHMENT']._serialized_start=1665
-  _globals['_VOLUMEATTACHMENT']._serialized_end=1732
-  _globals['_DETACHVOLUMEREQUEST']._serialized_start=1734
-  _globals['_DETACHVOLUMEREQUEST']._serialized_end=1808
-  _globals['_DETACHVOLUMERESPONSE']._serialized_start=1810
-  _globals['_DETACHVOLUMERESPONSE']._serialized_end=1832
-  _globals['_REGISTERKEYREQUEST']._serialized_start=1834
-  _globals['_REGISTERKEYREQUEST']._serialized_end=1904
-  _globals['_KEYHANDLE']._serialized_start=1906
-  _globals['_KEYHANDLE']._serialized_end=1950
-  _globals['_SESSIONSERVICE']._serialized_start=2246
-  _globals['_SESSIONSERVICE']._serialized_end=2906
+  _globals['_SESSIONCOUNTERS']._serialized_end=814
+  _globals['_OPENSESSIONREQUEST']._serialized_start=817
+  _globals['_OPENSESSIONREQUEST']._serialized_end=979
+  _globals['_GETSESSIONREQUEST']._serialized_start=981
+  _globals['_GETSESSIONREQUEST']._serialized_end=1014
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1016
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1076
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1078
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1160
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1162
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1217
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1219
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1241
+  _globals['_MEMORYREGION']._serialized_start=1243
+  _globals['_MEMORYREGION']._serialized_end=1353
+  _globals['_ADVERTISEREGIONSREQUEST']._serialized_start=1355
+  _globals['_ADVERTISEREGIONSREQUEST']._serialized_end=1456
+  _globals['_ADVERTISEREGIONSRESPONSE']._serialized_start=1458
+  _globals['_ADVERTISEREGIONSRESPONSE']._serialized_end=1523
+  _globals['_WITHDRAWREGIONREQUEST']._serialized_start=1525
+  _globals['_WITHDRAWREGIONREQUEST']._serialized_end=1582
+  _globals['_WITHDRAWREGIONRESPONSE']._serialized_start=1584
+  _globals['_WITHDRAWREGIONRESPONSE']._serialized_end=1608
+  _globals['_ATTACHVOLUMEREQUEST']._serialized_start=1610
+  _globals['_ATTACHVOLUMEREQUEST']._serialized_end=1684
+  _globals['_VOLUMEATTACHMENT']._serialized_start=1686
+  _globals['_VOLUMEATTACHMENT']._serialized_end=1753
+  _globals['_DETACHVOLUMEREQUEST']._serialized_start=1755
+  _globals['_DETACHVOLUMEREQUEST']._serialized_end=1829
+  _globals['_DETACHVOLUMERESPONSE']._serialized_start=1831
+  _globals['_DETACHVOLUMERESPONSE']._serialized_end=1853
+  _globals['_REGISTERKEYREQUEST']._serialized_start=1855
+  _globals['_REGISTERKEYREQUEST']._serialized_end=1925
+  _globals['_KEYHANDLE']._serialized_start=1927
+  _globals['_KEYHANDLE']._serialized_end=1971
+  _globals['_SESSIONSERVICE']._serialized_start=2267
+  _globals['_SESSIONSERVICE']._serialized_end=2927
 # @@protoc_insertion_point(module_scope)

@@ -241,6 +241,7 @@ class SessionCounters(_message.Message):
     BYTES_READ_FIELD_NUMBER: _builtins.int
     BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
+    JOBS_NATIVE_FIELD_NUMBER: _builtins.int
     jobs_submitted: _builtins.int
     jobs_completed: _builtins.int
     jobs_failed: _builtins.int
@@ -249,6 +250,10 @@ class SessionCounters(_message.Message):
     bytes_written: _builtins.int
     """RDMA WRITE into host memory"""
     regions: _builtins.int
+    jobs_native: _builtins.int
+    """Of jobs_completed: inline COPY jobs the agent's verbs link ran to completion in
+    its native core, without the Python pipeline (docs/performance.md).
+    """
     def __init__(
         self,
         *,
@@ -258,10 +263,11 @@ class SessionCounters(_message.Message):
         bytes_read: _builtins.int = ...,
         bytes_written: _builtins.int = ...,
         regions: _builtins.int = ...,
+        jobs_native: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "jobs_completed", b"jobs_completed", "jobs_failed", b"jobs_failed", "jobs_submitted", b"jobs_submitted", "regions", b"regions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "jobs_completed", b"jobs_completed", "jobs_failed", b"jobs_failed", "jobs_native", b"jobs_native", "jobs_submitted", b"jobs_submitted", "regions", b"regions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

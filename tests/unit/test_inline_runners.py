@@ -119,6 +119,9 @@ class _Link:
     def flush(self) -> None:
         pass
 
+    def fast_regions(self, _regions: list[tuple[int, int, int]], _sink: object) -> bool:
+        return False  # no native core: every capsule goes through the pipeline
+
 
 class _Hooks:
     """The session side of a pipeline: records the jobs it publishes and its failure."""

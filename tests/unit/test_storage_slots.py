@@ -54,6 +54,9 @@ class _Link:
     def flush(self) -> None:
         pass
 
+    def fast_regions(self, _regions: list[tuple[int, int, int]], _sink: object) -> bool:
+        return False  # no native core: every capsule goes through the pipeline
+
     def replies(self) -> list[tuple[int, int, int]]:
         """(job id, state, status) of each COMPLETION sent."""
         return [capsule.completion_fields(reply)[:3] for reply in self.sent]

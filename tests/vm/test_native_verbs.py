@@ -1,0 +1,169 @@
+"""The verbs transport's native core on rxe: both ends use it, the agent runs inline COPY
+jobs in it, and whatever it does not run reaches the Python pipeline with the same answer.
+
+`dpu_wire/transport/native.py` says what the core does; docs/performance.md says why.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import crc32c
+import pytest
+
+import host_client
+from dpu_wire.capsule import Span
+from dpu_wire.jobkinds import JobKind
+from dpu_wire.transport import native
+from dpu_wire.transport.verbs import VerbsHostLink
+from host_client import JobRequest
+from tests.integration.conftest import start_agent
+
+pytestmark = [pytest.mark.rdma, pytest.mark.asyncio]
+
+
+def _agent(tmp_path_factory, rdma_port, **env):
+    return start_agent(
+        tmp_path_factory.mktemp("agent"),
+        env={"DPU_AGENT_TRANSPORTS": "verbs", "DPU_AGENT_RDMA_DEVICE": rdma_port.device, **env},
+    )
+
+
+@pytest.fixture(scope="module")
+def native_agent(rdma_port, tmp_path_factory):
+    """An agent whose verbs links use the native core (the default where it is built)."""
+    process = _agent(tmp_path_factory, rdma_port)
+    yield process
+    assert process.terminate() == 0, process.log_path.read_text()
+
+
+async def _native_jobs(client, session):
+    return (await client.get_session(session.name)).counters.jobs_native
+
+
+def test_the_core_is_built_here():
+    # The VM runs the checkout the host built (make venv): the core must be there, or
+    # every test below would measure the pure-Python path and prove nothing.
+    assert native.status() == (True, "built"), native.status()
+
+
+async def test_inline_copies_run_in_the_core_byte_for_byte(native_agent):
+    rng = random.Random(7)  # noqa: S311 - test data, not secrets
+    async with (
+        host_client.Client(native_agent.address, timeout=60) as client,
+        await client.open_session(transport="verbs", queue_depth=4) as session,
+    ):
+        link = session._link  # the host's end uses the core too
+        assert isinstance(link, VerbsHostLink)
+        assert link.native
+        src = await session.alloc(8192, readable=True)
+        dst = await session.alloc(1 << 16, writable=True)
+        before = await _native_jobs(client, session)
+        last = None
+        for _ in range(200):
+            length = rng.choice((1, 7, 512, 4095, 4096, rng.randint(1, 4096)))
+            at, to = rng.randrange(0, 8192 - length + 1), rng.randrange(0, (1 << 16) - length + 1)
+            data = os.urandom(length)
+            src.view[at : at + length] = data
+            last = await session.submit(
+                session.copy_request(src[at : at + length], dst[to : to + length])
+            )
+            done = (await last).raise_for_status()
+            assert (done.bytes_read, done.bytes_written) == (length, length)
+            assert bytes(dst.view[to : to + length]) == data
+        assert await _native_jobs(client, session) - before == 200
+        assert last is not None
+        job = await client.get_job(f"{session.name}/jobs/{last.job_id}")
+        assert job.spec.WhichOneof("kind") == "copy"
+        assert job.state == 3  # SUCCEEDED, recorded as the pipeline records its jobs
+        completion = job.completion
+        assert completion.bytes_written == completion.bytes_read > 0
+        assert completion.submit_time.ToNanoseconds() <= completion.start_time.ToNanoseconds()
+        assert completion.start_time.ToNanoseconds() <= completion.end_time.ToNanoseconds()
+
+
+async def test_what_the_core_does_not_run_gets_the_pipelines_answer(native_agent):
+    async with (
+        host_client.Client(native_agent.address, timeout=60) as client,
+        await client.open_session(transport="verbs", queue_depth=4) as session,
+    ):
+        src = await session.alloc(4096, readable=True)
+        src.view[:] = os.urandom(4096)
+        readonly = await session.alloc(4096, readable=True)
+        dst = await session.alloc(4096, writable=True)
+        gone = await session.alloc(4096, writable=True)
+        await session.copy(src, dst)  # the core's
+        assert await _native_jobs(client, session) == 1
+        # Each of these fails an admission check: the core hands it to the pipeline,
+        # which answers it as the spec says (docs/data-plane.md 2.5, checks 5 to 8).
+        d = dst.span()
+        cases = [
+            (JobRequest(JobKind.COPY, src.span(), readonly.span()), "PERMISSION_DENIED"),
+            (
+                JobRequest(JobKind.COPY, src.span(), Span(d.addr, 2048, d.rkey)),
+                "INVALID_ARGUMENT",
+            ),
+            (
+                JobRequest(JobKind.COPY, src.span(), Span(d.addr + 1, 4096, d.rkey)),
+                "INVALID_ARGUMENT",
+            ),
+            (
+                JobRequest(JobKind.COPY, src.span(), Span(d.addr, 4096, 0xDEAD)),
+                "INVALID_ARGUMENT",
+            ),
+        ]
+        gone_span = gone.span()
+        await session.free(gone)  # withdrawn after the core had its region list
+        cases.append((JobRequest(JobKind.COPY, src.span(), gone_span), "INVALID_ARGUMENT"))
+        for request, code in cases:
+            done = await (await session.submit(request))
+            assert (done.state, done.code) == ("FAILED", code), (request, done)
+        # the session lived through all of them: an access to a withdrawn region would
+        # have moved both queue pairs to the error state
+        assert await session.crc32c(src) == crc32c.crc32c(bytes(src.view))
+        await session.copy(src, dst)
+        assert bytes(dst.view) == bytes(src.view)
+        assert await _native_jobs(client, session) == 2
+
+
+async def test_jobs_in_flight_in_python_keep_the_core_out_and_order_holds(native_agent):
+    async with (
+        host_client.Client(native_agent.address, timeout=60) as client,
+        await client.open_session(transport="verbs", queue_depth=16) as session,
+    ):
+        src = await session.alloc(1 << 20, readable=True)
+        src.view[:] = os.urandom(1 << 20)
+        dst = await session.alloc(1 << 20, writable=True)
+        # A 1 MiB copy (READ path, Python) with small inline copies behind it: while it
+        # is open, they are the pipeline's; all land, each answered once.
+        requests = [session.copy_request(src, dst)] + [
+            session.copy_request(src[i * 4096 : (i + 1) * 4096], dst[i * 4096 : (i + 1) * 4096])
+            for i in range(15)
+        ]
+        jobs = await session.submit_many(requests)
+        for job in jobs:
+            (await job).raise_for_status()
+        assert bytes(dst.view) == bytes(src.view)
+        counters = (await client.get_session(session.name)).counters
+        assert counters.jobs_completed == 16
+        assert counters.jobs_native < 16
+
+
+async def test_with_the_core_turned_off_the_same_jobs_run_in_python(rdma_port, tmp_path_factory):
+    agent = _agent(tmp_path_factory, rdma_port, DPU_NATIVE="0")
+    try:
+        async with (
+            host_client.Client(agent.address, timeout=60) as client,
+            await client.open_session(transport="verbs", queue_depth=4) as session,
+        ):
+            src = await session.alloc(4096, readable=True)
+            src.view[:] = os.urandom(4096)
+            dst = await session.alloc(4096, writable=True)
+            for _ in range(20):
+                await session.copy(src, dst)
+            assert bytes(dst.view) == bytes(src.view)
+            counters = (await client.get_session(session.name)).counters
+            assert (counters.jobs_completed, counters.jobs_native) == (20, 0)
+    finally:
+        assert agent.terminate() == 0, agent.log_path.read_text()
