@@ -36,7 +36,7 @@ from dpu_agent.dataplane.hostpolicy import (
 )
 from dpu_agent.dataplane.manager import TRANSPORT_TCP, TRANSPORT_VERBS
 from dpu_agent.errors import InvalidArgument, PermissionDenied
-from dpu_wire.transport import tcp
+from dpu_wire.transport import native, tcp
 from dpu_wire.transport.base import TcpAddress, TransportError, VerbsAddress
 
 if TYPE_CHECKING:
@@ -148,6 +148,12 @@ def factories(config: AgentConfig, devices: Sequence[RdmaDeviceInfo]) -> dict[in
                 raise ConfigError(f"dataplane.verbs_allow: {exc}") from None
             result[TRANSPORT_VERBS] = functools.partial(
                 _verbs, verbs_allow, device, config.inline_max
+            )
+            used, why = native.status()
+            log.info(
+                "verbs on %s: the native core %s",
+                device,
+                "posts and polls" if used else f"is not used: {why}",
             )
         elif config.transports != "auto":
             which = f"RDMA device {config.rdma_device!r} has" if config.rdma_device else "no RDMA"

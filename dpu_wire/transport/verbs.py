@@ -1402,7 +1402,8 @@ class VerbsHostLink(HostLink):
         qp = self._qp
         if qp.error is not None:
             raise qp.error
-        if len(capsules) == 1 and not self._backlog and qp.send_room():
+        room = qp.send_room() or (qp.poll_sends(None) and qp.send_room())
+        if len(capsules) == 1 and not self._backlog and room:
             capsule = capsules[0]  # one capsule and room for it: straight out
             if isinstance(capsule, tuple):
                 if not self.inline_max:
@@ -1482,9 +1483,8 @@ class VerbsHostLink(HostLink):
         if self._waits >= WAIT_TURNS:
             return
         self._waits += 1
-        if self._qp.spin_recv(self, self._spin):
+        if self._qp.spin_recv(self, self._spin):  # send completions: at the next send
             self._last = time.monotonic()
-            self._qp.poll(self, RECV_BATCH)  # what landed with it, and the send completions
             self._report()
 
     def on_capsule(self, data: memoryview) -> None:
