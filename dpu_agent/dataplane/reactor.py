@@ -71,6 +71,10 @@ CANCELLED_TIMERS_KEPT: Final = 64  # cancelled timers left in the heap before it
 MAX_WAIT: Final = 1.0  # seconds the loop sleeps at most (overdue tcp requests are checked)
 SETTLE_ROUNDS: Final = 4  # arm/end_pass rounds that end a tcp link's pass (see _settle)
 SPIN_GROWTH: Final = 10  # an adaptive link's idle polling window grows to at most this times spin
+# How long an idle pass may wait inside the one link the reactor serves for its next
+# capsule (`AgentLink.idle_wait`), instead of making another empty pass: what a request
+# from the control plane can be held up by.
+IDLE_WAIT_S: Final = 0.0005
 _EPOLLIN: Final = select.EPOLLIN
 _EPOLLOUT: Final = select.EPOLLOUT
 
@@ -376,10 +380,28 @@ class Reactor:
         busy = self._poll_hot() or busy or bool(events)
         self._run_timers()
         self._finish_pass()
-        if not busy:
+        if not busy and not self._idle_wait():
             # An idle spin: give the GIL away for a moment, or the control plane's thread
             # waits a whole switch interval (5 ms) for it whenever it has work.
             time.sleep(0)
+
+    def _idle_wait(self) -> bool:
+        """Wait in the link for its next capsule, when it is the only one and hot.
+
+        Its core then polls with the GIL released (the control plane runs meanwhile)
+        and the capsule is taken the moment it lands, where an empty pass through the
+        reactor's Python would cost its own time first. At most `IDLE_WAIT_S`, not past
+        the next timer; never with other links, whose events it would keep waiting.
+        """
+        if len(self._entries) != 1 or len(self._hot) != 1 or self._inbox or self._touched:
+            return False
+        entry = self._hot[0]
+        wait = IDLE_WAIT_S
+        if self._timers:
+            wait = min(wait, self._timers[0][0] - time.monotonic())
+        if entry.removed or wait <= 0:
+            return False
+        return entry.link.idle_wait(wait)
 
     def _dispatch(self, events: list[tuple[int, int]]) -> None:
         entries, touched = self._entries, self._touched

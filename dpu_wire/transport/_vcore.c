@@ -59,6 +59,11 @@ typedef struct {
     uint32_t fast_used;
     FastRegion *regions;
     Py_ssize_t n_regions;
+    /* A receive completion wait_recv() took and nobody has been given yet. */
+    int stashed;
+    uint64_t stash_wr_id;
+    int stash_status;
+    uint32_t stash_byte_len;
 } Qp;
 
 static int qp_live(Qp *self)
@@ -291,6 +296,19 @@ static int take_one(struct ibv_cq_ex *cq, uint64_t *wr_id, int *status, uint32_t
     return 1;
 }
 
+/* The next receive completion: the one wait_recv() stashed, else the CQ's. */
+static int take_recv(Qp *self, uint64_t *wr_id, int *status, uint32_t *byte_len)
+{
+    if (self->stashed) {
+        self->stashed = 0;
+        *wr_id = self->stash_wr_id;
+        *status = self->stash_status;
+        *byte_len = self->stash_byte_len;
+        return 1;
+    }
+    return take_one(self->recv_cq, wr_id, status, byte_len);
+}
+
 static PyObject *poll_error(int rc)
 {
     errno = -rc;
@@ -326,7 +344,7 @@ static PyObject *Qp_poll_recv(Qp *self, PyObject *unused)
     uint32_t byte_len = 0;
     if (!qp_live(self))
         return NULL;
-    int rc = take_one(self->recv_cq, &wr_id, &status, &byte_len);
+    int rc = take_recv(self, &wr_id, &status, &byte_len);
     if (rc == 0)
         Py_RETURN_NONE;
     if (rc < 0)
@@ -360,7 +378,7 @@ static PyObject *Qp_spin_recv(Qp *self, PyObject *arg)
     uint64_t end = now_ns() + timeout;
     unsigned int spins = 0;
     for (;;) {
-        rc = take_one(self->recv_cq, &wr_id, &status, &byte_len);
+        rc = take_recv(self, &wr_id, &status, &byte_len);
         if (rc != 0)
             break;
         if ((++spins & 63) == 0 && now_ns() >= end)
@@ -519,7 +537,7 @@ static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
         uint64_t slot = 0;
         int status = 0;
         uint32_t n = 0;
-        int rc = take_one(self->recv_cq, &slot, &status, &n);
+        int rc = take_recv(self, &slot, &status, &n);
         if (rc <= 0)
             break; /* empty (or an error code, read as empty as poll_recv does) */
         uint64_t submit_ns = realtime_ns();
@@ -603,6 +621,44 @@ error:
     return NULL;
 }
 
+/* wait_recv(timeout_ns) -> bool: whether a receive completion is there, waiting up to
+ * `timeout_ns` for one with the GIL released. It stays for the next poll_recv, serve or
+ * spin_recv: an agent's reactor with nothing else to do waits here for the next
+ * capsule instead of making empty passes. */
+static PyObject *Qp_wait_recv(Qp *self, PyObject *arg)
+{
+    if (!qp_live(self))
+        return NULL;
+    unsigned long long timeout = PyLong_AsUnsignedLongLong(arg);
+    if (timeout == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (self->stashed)
+        Py_RETURN_TRUE;
+    uint64_t wr_id = 0;
+    int status = 0, rc;
+    uint32_t byte_len = 0;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t end = now_ns() + timeout;
+    unsigned int spins = 0;
+    for (;;) {
+        rc = take_one(self->recv_cq, &wr_id, &status, &byte_len);
+        if (rc != 0)
+            break;
+        if ((++spins & 63) == 0 && now_ns() >= end)
+            break;
+    }
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return poll_error(rc);
+    if (rc == 0)
+        Py_RETURN_FALSE;
+    self->stashed = 1;
+    self->stash_wr_id = wr_id;
+    self->stash_status = status;
+    self->stash_byte_len = byte_len;
+    Py_RETURN_TRUE;
+}
+
 /* close(): forget the pointers (pyverbs destroys the resources). Idempotent. */
 static PyObject *Qp_close(Qp *self, PyObject *unused)
 {
@@ -635,6 +691,8 @@ static PyMethodDef Qp_methods[] = {
      "set_regions([(addr, length, rkey), ...]): where fast jobs may WRITE"},
     {"serve", (PyCFunction)(void (*)(void))Qp_serve, METH_FASTCALL,
      "serve(budget, next_wr_id, room) -> (next_wr_id, jobs, pending, errno)"},
+    {"wait_recv", (PyCFunction)Qp_wait_recv, METH_O,
+     "wait_recv(timeout_ns) -> bool: a receive completion is there (kept for the next poll)"},
     {"close", (PyCFunction)Qp_close, METH_NOARGS, "forget the pointers; idempotent"},
     {NULL, NULL, 0, NULL},
 };

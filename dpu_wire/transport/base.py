@@ -199,6 +199,15 @@ class AgentLink(abc.ABC):
     """The largest job source a SUBMIT may carry inline on this link (docs/data-plane.md
     2.8); 0: none (on verbs every RECV buffer is max(256, 80 + inline_max) bytes)."""
 
+    def idle_wait(self, seconds: float) -> bool:
+        """Wait up to `seconds` for a capsule without taking it; whether one came.
+
+        For a reactor with nothing else to do. The default waits for nothing (False at
+        once): a link that cannot wait cheaply is simply polled again.
+        """
+        del seconds
+        return False
+
     def fast_regions(self, regions: list[tuple[int, int, int]], sink: FastSink) -> bool:
         """Run inline COPY jobs into these (addr, length, rkey) regions without Python.
 

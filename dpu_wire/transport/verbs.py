@@ -923,6 +923,12 @@ class _QueuePair:
                 break
         return taken
 
+    def idle_wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for a capsule, left for the next poll (`_vcore` wait_recv)."""
+        if self._native is None or self._closed or self.error is not None:
+            return False
+        return bool(self._native.wait_recv(max(0, int(timeout * 1e9))))
+
     def spin_recv(self, sink: LinkSink, timeout: float) -> int:
         """Wait up to `timeout` s for one capsule, polling with the GIL released.
 
@@ -1221,6 +1227,10 @@ class VerbsAgentLink(AgentLink):
     def connect(self, host: PeerAddress) -> None:
         """INIT -> RTR -> RTS towards the host's QP (its address came in OpenSession)."""
         self._qp.connect(host)
+
+    def idle_wait(self, seconds: float) -> bool:
+        """See `AgentLink.idle_wait`: the native core spins on the receive CQ."""
+        return self._qp.idle_wait(seconds)
 
     def fast_regions(self, regions: list[tuple[int, int, int]], sink: FastSink) -> bool:
         """See `AgentLink.fast_regions`: with the native core, inline COPY jobs run in C."""
