@@ -17,7 +17,11 @@ hop:
 
 The SDK sends a 4 KiB source inside the SUBMIT (docs/data-plane.md 2.8; both
 transports): there is no READ, and the agent's rows are its whole job (A0 -> A3) and
-`admit (Python)`; `--no-inline` measures the READ path instead.
+`admit (Python)`; `--no-inline` measures the READ path instead. On verbs with the
+native core (`dpu_wire/transport/native.py`) the agent runs an inline copy in C and its
+pipeline never sees it: A0 and A3 are then the COMPLETION's own `submit_ns` and
+`end_ns` (CLOCK_REALTIME, moved to the monotonic clock by the offset between the two
+clocks read once), and the agent's `admit` row is absent.
 
 and, per side, the time inside the job's span spent in posting (verbs: the
 `ibv_post_send` of a prepared work request; tcp: the `sendmsg` of the queued frames),
@@ -63,6 +67,7 @@ HOPS: Final = (
 )
 
 _stamps: list[tuple[str, int]] = []
+_completed: list[tuple[int, int]] = []  # per job: the COMPLETION's (submit_ns, end_ns)
 
 
 def _stamp(name: str) -> None:
@@ -108,6 +113,8 @@ def _install_timers() -> None:
     except ImportError:
         return
     _accumulate(_QueuePair, "_post", "post")  # ibv_post_send of a prepared work request
+    _accumulate(_QueuePair, "_native_send", "post")  # the same through the native core
+    _accumulate(_QueuePair, "_native_copy_send", "post")
     _accumulate(_QueuePair, "poll", "poll")
 
 
@@ -228,8 +235,9 @@ async def _client(target: str, transport: str, jobs: int, agent_pid: int, *, inl
         for _ in range(jobs):
             _stamp("H0")
             job = await session.submit(request)
-            await job
+            done = await job
             _stamp("H3")
+            _completed.append((done.submit_ns, done.end_ns))
         wall = time.monotonic() - start
         agent1, host1 = thread_cpu(agent_pid), thread_cpu(os.getpid())
         _cpu[:] = cpu_rows("agent", agent0, agent1, jobs, wall)
@@ -269,8 +277,18 @@ def _drop_stray_reads(agent_jobs: list[dict[str, int]]) -> None:
             job.pop("A2", None)
 
 
-def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[dict[str, Any]]:
-    """Per-hop median and p90 in microseconds over the jobs both sides recorded whole."""
+def report(
+    host: list[tuple[str, int]],
+    agent: list[tuple[str, int]],
+    completed: list[tuple[int, int]] | None = None,
+    realtime_offset: int = 0,
+) -> list[dict[str, Any]]:
+    """Per-hop median and p90 in microseconds over the jobs both sides recorded whole.
+
+    `completed`: each host job's COMPLETION (submit_ns, end_ns), the agent's stamps of a
+    job its pipeline never saw (the native core's), `realtime_offset` ns ahead of the
+    monotonic clock.
+    """
     host_jobs = [
         {f"host {k}" if k in _TIMERS else k: v for k, v in job.items()}
         for job in _jobs(host, ("H0", "H1", "H2", "H3"))
@@ -283,12 +301,16 @@ def report(host: list[tuple[str, int]], agent: list[tuple[str, int]]) -> list[di
     # agent jobs after the warm-up: match each host job to the agent job inside it
     merged: list[dict[str, int]] = []
     index = 0
-    for job in host_jobs:
+    for number, job in enumerate(host_jobs):
         while index < len(agent_jobs) and agent_jobs[index]["A0"] < job["H1"]:
             index += 1
         if index < len(agent_jobs) and agent_jobs[index]["A3"] < job["H2"]:
             merged.append({**job, **agent_jobs[index]})
             index += 1
+        elif completed and number < len(completed):  # the native core ran it
+            submit_ns, end_ns = completed[number]
+            times = {"A0": submit_ns - realtime_offset, "A3": end_ns - realtime_offset}
+            merged.append({**job, **times, "agent post": 0, "agent poll": 0, "agent callbacks": 0})
     rows = []
     spans = [*HOPS, ("agent", "whole job", "A0", "A3"), ("total", "job", "H0", "H3")]
     spans += [("agent", "admit (Python)", "A0", "Ap"), ("agent", "post READ", "Ap", "A1")]
@@ -371,7 +393,9 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-        rows = report(list(_stamps), [tuple(s) for s in json.loads(stamps.read_text())])
+        offset = time.time_ns() - time.perf_counter_ns()
+        agent_stamps = [tuple(s) for s in json.loads(stamps.read_text())]
+        rows = report(list(_stamps), agent_stamps, _completed, offset)
     for row in rows:
         side, hop, p50, p90 = row["side"], row["hop"], row["p50_us"], row["p90_us"]
         print(f"{side:<6} {hop:<15} p50 {p50:8.1f} us   p90 {p90:8.1f} us")

@@ -72,7 +72,7 @@ MAX_WAIT: Final = 1.0  # seconds the loop sleeps at most (overdue tcp requests a
 SETTLE_ROUNDS: Final = 4  # arm/end_pass rounds that end a tcp link's pass (see _settle)
 SPIN_GROWTH: Final = 10  # an adaptive link's idle polling window grows to at most this times spin
 # How long an idle pass may wait inside the one link the reactor serves for its next
-# capsule (`AgentLink.idle_wait`), instead of making another empty pass: what a request
+# completion (`AgentLink.idle_wait`), instead of making another empty pass: what a request
 # from the control plane can be held up by.
 IDLE_WAIT_S: Final = 0.0005
 _EPOLLIN: Final = select.EPOLLIN
@@ -386,11 +386,12 @@ class Reactor:
             time.sleep(0)
 
     def _idle_wait(self) -> bool:
-        """Wait in the link for its next capsule, when it is the only one and hot.
+        """Wait in the link for its next completion, when it is the only one and hot.
 
-        Its core then polls with the GIL released (the control plane runs meanwhile)
-        and the capsule is taken the moment it lands, where an empty pass through the
-        reactor's Python would cost its own time first. At most `IDLE_WAIT_S`, not past
+        Its core then polls both its queues with the GIL released (the control plane
+        runs meanwhile), and a capsule or an operation's completion is taken the moment
+        it lands, where an empty pass through the reactor's Python would cost its own
+        time first. At most `IDLE_WAIT_S`, not past
         the next timer; never with other links, whose events it would keep waiting.
         """
         if len(self._entries) != 1 or len(self._hot) != 1 or self._inbox or self._touched:

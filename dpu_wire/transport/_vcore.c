@@ -59,11 +59,15 @@ typedef struct {
     uint32_t fast_used;
     FastRegion *regions;
     Py_ssize_t n_regions;
-    /* A receive completion wait_recv() took and nobody has been given yet. */
+    /* A receive completion wait_any() took and nobody has been given yet. */
     int stashed;
     uint64_t stash_wr_id;
     int stash_status;
     uint32_t stash_byte_len;
+    /* The same for the send queue's completions. */
+    int send_stashed;
+    uint64_t send_stash_wr_id;
+    int send_stash_status;
 } Qp;
 
 static int qp_live(Qp *self)
@@ -322,7 +326,14 @@ static PyObject *Qp_poll_send(Qp *self, PyObject *unused)
     int status = 0;
     if (!qp_live(self))
         return NULL;
-    int rc = take_one(self->send_cq, &wr_id, &status, NULL);
+    int rc = 1;
+    if (self->send_stashed) {
+        self->send_stashed = 0;
+        wr_id = self->send_stash_wr_id;
+        status = self->send_stash_status;
+    } else {
+        rc = take_one(self->send_cq, &wr_id, &status, NULL);
+    }
     if (rc == 0)
         Py_RETURN_NONE;
     if (rc < 0)
@@ -621,21 +632,22 @@ error:
     return NULL;
 }
 
-/* wait_recv(timeout_ns) -> bool: whether a receive completion is there, waiting up to
- * `timeout_ns` for one with the GIL released. It stays for the next poll_recv, serve or
- * spin_recv: an agent's reactor with nothing else to do waits here for the next
- * capsule instead of making empty passes. */
-static PyObject *Qp_wait_recv(Qp *self, PyObject *arg)
+/* wait_any(timeout_ns) -> bool: whether a completion is there, of either queue, waiting
+ * up to `timeout_ns` for one with the GIL released. It stays for the next poll_recv,
+ * serve or spin_recv (a receive), or poll_send (a send-queue completion: a READ's data
+ * landed, a WRITE and its SEND went out): an agent's reactor with nothing else to do
+ * waits here instead of making empty passes. */
+static PyObject *Qp_wait_any(Qp *self, PyObject *arg)
 {
     if (!qp_live(self))
         return NULL;
     unsigned long long timeout = PyLong_AsUnsignedLongLong(arg);
     if (timeout == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    if (self->stashed)
+    if (self->stashed || self->send_stashed)
         Py_RETURN_TRUE;
     uint64_t wr_id = 0;
-    int status = 0, rc;
+    int status = 0, rc = 0, sent = 0;
     uint32_t byte_len = 0;
     Py_BEGIN_ALLOW_THREADS
     uint64_t end = now_ns() + timeout;
@@ -644,6 +656,11 @@ static PyObject *Qp_wait_recv(Qp *self, PyObject *arg)
         rc = take_one(self->recv_cq, &wr_id, &status, &byte_len);
         if (rc != 0)
             break;
+        rc = take_one(self->send_cq, &wr_id, &status, NULL);
+        if (rc != 0) {
+            sent = 1;
+            break;
+        }
         if ((++spins & 63) == 0 && now_ns() >= end)
             break;
     }
@@ -652,10 +669,16 @@ static PyObject *Qp_wait_recv(Qp *self, PyObject *arg)
         return poll_error(rc);
     if (rc == 0)
         Py_RETURN_FALSE;
-    self->stashed = 1;
-    self->stash_wr_id = wr_id;
-    self->stash_status = status;
-    self->stash_byte_len = byte_len;
+    if (sent) {
+        self->send_stashed = 1;
+        self->send_stash_wr_id = wr_id;
+        self->send_stash_status = status;
+    } else {
+        self->stashed = 1;
+        self->stash_wr_id = wr_id;
+        self->stash_status = status;
+        self->stash_byte_len = byte_len;
+    }
     Py_RETURN_TRUE;
 }
 
@@ -691,8 +714,8 @@ static PyMethodDef Qp_methods[] = {
      "set_regions([(addr, length, rkey), ...]): where fast jobs may WRITE"},
     {"serve", (PyCFunction)(void (*)(void))Qp_serve, METH_FASTCALL,
      "serve(budget, next_wr_id, room) -> (next_wr_id, jobs, pending, errno)"},
-    {"wait_recv", (PyCFunction)Qp_wait_recv, METH_O,
-     "wait_recv(timeout_ns) -> bool: a receive completion is there (kept for the next poll)"},
+    {"wait_any", (PyCFunction)Qp_wait_any, METH_O,
+     "wait_any(timeout_ns) -> bool: a completion of either queue is there (kept for the next poll)"},
     {"close", (PyCFunction)Qp_close, METH_NOARGS, "forget the pointers; idempotent"},
     {NULL, NULL, 0, NULL},
 };

@@ -200,7 +200,9 @@ class AgentLink(abc.ABC):
     2.8); 0: none (on verbs every RECV buffer is max(256, 80 + inline_max) bytes)."""
 
     def idle_wait(self, seconds: float) -> bool:
-        """Wait up to `seconds` for a capsule without taking it; whether one came.
+        """Wait up to `seconds` for a capsule or an operation's completion; whether one came.
+
+        What came is left for the next `poll`.
 
         For a reactor with nothing else to do. The default waits for nothing (False at
         once): a link that cannot wait cheaply is simply polled again.

@@ -630,16 +630,8 @@ class _QueuePair:
             raise TransportError("no free send slot (more capsules in flight than queue_depth)")
         slot = self._free_slots.pop()
         offset = slot * self._send_slot
-        core = self._native
-        if core is not None and self._held is None:  # copy and post in one call
-            wr_id = self._next_wr_id
-            self._next_wr_id = wr_id + 1
-            ring = self._send_ring
-            rc = core.send_copy(
-                wr_id, ring.addr + offset, self._send_slot, ring.lkey, capsule, tail
-            )
-            self._native_posted(rc, "SEND", slot)
-            self._sq.append((wr_id, token, slot))
+        if self._native is not None and self._held is None:  # copy and post in one call
+            self._native_copy_send(offset, capsule, tail, token, slot)
             return
         view = self._send_ring.view
         view[offset : offset + size] = capsule
@@ -656,6 +648,24 @@ class _QueuePair:
             self._post(self._send_wr, token, slot, "SEND")
         else:
             self._post_chain(token, slot)
+
+    def _native_copy_send(
+        self,
+        offset: int,
+        capsule: bytes | memoryview,
+        tail: memoryview | None,
+        token: int | None,
+        slot: int,
+    ) -> None:
+        """`post_send` through the core: the copy into the slot and the SEND, one call."""
+        wr_id = self._next_wr_id
+        self._next_wr_id = wr_id + 1
+        ring = self._send_ring
+        rc = self._native.send_copy(
+            wr_id, ring.addr + offset, self._send_slot, ring.lkey, capsule, tail
+        )
+        self._native_posted(rc, "SEND", slot)
+        self._sq.append((wr_id, token, slot))
 
     def _native_send(self, addr: int, length: int, token: int | None, slot: int) -> None:
         """`post_send` through the core: the SEND alone, or chained behind a held WRITE."""
@@ -924,10 +934,13 @@ class _QueuePair:
         return taken
 
     def idle_wait(self, timeout: float) -> bool:
-        """Wait up to `timeout` s for a capsule, left for the next poll (`_vcore` wait_recv)."""
+        """Wait up to `timeout` s for a completion of either queue, left for the next poll.
+
+        (`_vcore` wait_any.) False at once without the native core.
+        """
         if self._native is None or self._closed or self.error is not None:
             return False
-        return bool(self._native.wait_recv(max(0, int(timeout * 1e9))))
+        return bool(self._native.wait_any(max(0, int(timeout * 1e9))))
 
     def spin_recv(self, sink: LinkSink, timeout: float) -> int:
         """Wait up to `timeout` s for one capsule, polling with the GIL released.
