@@ -263,6 +263,8 @@ class Pipeline(LinkSink):
         # pushed again whenever the table changed (`fast_allowed`).
         self._fast = link.fast_regions([], self)
         self._fast_version = -1
+        if self._fast:
+            regions.on_withdraw = self._push_regions
 
     # ------------------------------------------------------------ LinkOwner
 
@@ -304,11 +306,21 @@ class Pipeline(LinkSink):
             or not self._hooks.ready()
         ):
             return False
-        regions = self.regions
-        if regions.version != self._fast_version:
-            self._fast_version = regions.version
-            self.link.fast_regions(regions.writable(), self)
+        if self.regions.version != self._fast_version:
+            self._push_regions()
         return True
+
+    def _push_regions(self) -> None:
+        """Give the link's fast path the regions it may WRITE as they are now.
+
+        After every change, at the latest at the next poll (`fast_allowed`); after a
+        withdrawal at once, on the control plane's thread (`RegionTable.on_withdraw`),
+        under the GIL the link's core holds while it serves: a SUBMIT the host sends
+        once WithdrawRegion answered never finds the region in the core's list.
+        """
+        regions = self.regions
+        self._fast_version = regions.version
+        self.link.fast_regions(regions.writable(), self)
 
     def on_fast_jobs(self, jobs: list[FastJob], failed: bool) -> None:  # noqa: FBT001 - FastSink's shape
         """FastSink: record the inline COPY jobs the link ran and answered itself.

@@ -8,7 +8,7 @@ error state and kills the whole session, so a bad job must fail alone, first.
 from __future__ import annotations
 
 import dataclasses
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from dpu_agent.errors import (
     AlreadyExists,
@@ -19,6 +19,9 @@ from dpu_agent.errors import (
 )
 from dpu_wire.capsule import U32_MAX, U64_MAX, Span
 from dpu_wire.transport.base import Access
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 MAX_REGIONS_PER_SESSION: Final = 1024
 _WRITE: Final = Access.REMOTE_WRITE.value
@@ -43,6 +46,9 @@ class RegionTable:
         self._by_rkey: dict[int, AdvertisedRegion] = {}
         self._limit = limit
         self.version = 0  # counts changes: the link's fast path re-reads on a new one
+        # Called at once after a region is withdrawn (remove, clear), on the caller's
+        # thread: a fast path must forget it before the host hears it is gone.
+        self.on_withdraw: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -75,6 +81,8 @@ class RegionTable:
         self._by_id.clear()
         self._by_rkey.clear()
         self.version += 1
+        if self.on_withdraw is not None:
+            self.on_withdraw()
 
     def remove(self, region_id: str) -> AdvertisedRegion:
         """Withdraw a region by id."""
@@ -83,6 +91,8 @@ class RegionTable:
             raise NotFound(f"region {region_id!r} is not advertised")
         del self._by_rkey[region.rkey]
         self.version += 1
+        if self.on_withdraw is not None:
+            self.on_withdraw()
         return region
 
     def get(self, region_id: str) -> AdvertisedRegion:

@@ -112,9 +112,13 @@ def test_the_link_gets_the_writable_regions_again_after_each_change():
     assert pipe.fast_allowed()
     assert pipe.fast_allowed()  # no change, no push
     assert link.pushed[2:] == [[(0x20000, 8192, 2)]]
-    regions.remove("out")  # withdrawn: the next poll's list no longer has it
-    assert pipe.fast_allowed()
+    regions.remove("out")  # withdrawn: the link forgets it at once, before any poll
     assert link.pushed[3:] == [[]]
+    assert pipe.fast_allowed()
+    assert len(link.pushed) == 4  # nothing new since
+    regions.add(_region("out2", 3, Access.REMOTE_WRITE))
+    regions.clear()  # the session closes, say
+    assert link.pushed[-1] == []
 
 
 def test_no_fast_job_while_a_job_is_open_a_completion_waits_or_the_agent_drains():
