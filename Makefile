@@ -13,7 +13,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # The VM harness is stdlib-only and runs on the system Python.
 TESTVM := /usr/bin/python3 deploy/testvm/testvm.py
-LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench
+LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench setup.py
 VM_JUNIT := .testvm/out/junit-vm.xml
 VM_IMAGE_ARCHIVE := .testvm/out/dpu-agent.tar  # the agent's image, for tests/vm/test_container_verbs.py
 # The core RDMA subset the arm64 guest runs (BlueField's ISA): raw RC QPs with 1 MiB
