@@ -16,8 +16,9 @@
 #   --rebuild                                build the root filesystem and virtualenv anew
 #
 # Needs root (chroot, mounts, binfmt_misc) and the checkout's .venv (`make venv`): its pip
-# downloads the arm64 wheels on the host, so nothing is compiled and pip inside the
-# emulated system never touches the network. Exits with pytest's status.
+# downloads the arm64 wheels on the host, so no dependency is compiled and pip inside the
+# emulated system never touches the network; the project's own C extension is compiled
+# in the root (build_native). Exits with pytest's status.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CHECKOUT=$PWD
@@ -29,9 +30,10 @@ MIRRORS=(
     "deb http://deb.debian.org/debian-security $SUITE-security main"
 )
 # In the arm64 system: Python, the verbs bindings and providers (pyverbs must import on
-# the agent's side), the broker the event tests start, `ip` for the network tests.
+# the agent's side), the broker the event tests start, `ip` for the network tests, and what
+# setup.py's optional C extension (the verbs transport's native core) is compiled with.
 TARGET_PKGS=(python3 python3-venv python3-pyverbs rdma-core ibverbs-providers mosquitto
-    ca-certificates iproute2)
+    ca-certificates iproute2 gcc libc6-dev python3-dev libibverbs-dev)
 # On the host: the emulator, the root filesystem builder and its foreign-arch check; the
 # system emulator of the arm64 test VM (deploy/testvm/testvm.py --arch arm64).
 HOST_PKGS=(qemu-user-static mmdebstrap arch-test qemu-system-arm)
@@ -187,6 +189,40 @@ setup_venv() {
     log "virtualenv installed in $(($(now) - t)) s"
 }
 
+# The native core (setup.py's optional C extension, dpu_wire/transport/_vcore.c) compiled
+# for arm64 in the root: /src is copied afresh every run (the host's x86_64 .so is ignored
+# by git and not copied), so the module is kept in /opt/native/<hash of its sources> and
+# copied into /src; an edited setup.py or _vcore.c is compiled again. A failed compile is
+# not cached (tests/unit/test_native_build.py fails then).
+build_native() {
+    local key dir t
+    key=$(cat "$ROOTFS/src/setup.py" "$ROOTFS/src/dpu_wire/transport/_vcore.c" \
+        | sha256sum | cut -c1-12)
+    dir=/opt/native/$key
+    if [ ! -e "$ROOTFS$dir/.complete" ]; then
+        t=$(now)
+        log "compiling the native core for arm64 (setup.py build_ext, emulated)"
+        rm -rf "$ROOTFS/opt/native" "$ROOTFS/tmp/native-build"
+        # -W ignore: setuptools' deprecation notes about pyproject.toml, not the build.
+        in_chroot /usr/bin/env -C /src "$VENV/bin/python" -W ignore setup.py -q build_ext \
+            --build-lib /tmp/native-build/lib --build-temp /tmp/native-build/temp || true
+        mkdir -p "$ROOTFS$dir"
+        if [ -d "$ROOTFS/tmp/native-build/lib" ]; then  # absent when the compile failed
+            find "$ROOTFS/tmp/native-build/lib" -name '_vcore.*.so' -exec cp {} "$ROOTFS$dir/" \;
+        fi
+        rm -rf "$ROOTFS/tmp/native-build"
+        if compgen -G "$ROOTFS$dir/_vcore.*.so" >/dev/null; then
+            touch "$ROOTFS$dir/.complete"
+            log "native core compiled in $(($(now) - t)) s"
+        else
+            rm -rf "$ROOTFS$dir"
+            log "WARNING: the native core did not build (errors above): pure-Python verbs path"
+            return 0
+        fi
+    fi
+    cp "$ROOTFS$dir"/_vcore.*.so "$ROOTFS/src/dpu_wire/transport/"
+}
+
 in_namespace() {
     mount -t proc proc "$ROOTFS/proc"
     mount -t sysfs sysfs "$ROOTFS/sys"
@@ -195,11 +231,18 @@ in_namespace() {
     mount --bind "$WHEELS" "$ROOTFS/wheels"
     mount -o remount,bind,ro "$ROOTFS/wheels"
     setup_venv
+    build_native
     local t status=0
     [ "$MODE" = prepare ] && return 0
-    in_chroot "$VENV/bin/python" -c 'import platform, grpc, pyverbs, cryptography
+    in_chroot /usr/bin/env -C /src "$VENV/bin/python" -c 'import platform, grpc, pyverbs, cryptography
+try:
+    from dpu_wire.transport import _vcore
+    core = f"native core {_vcore.__file__.rpartition(chr(47))[2]}"
+except ImportError as exc:
+    core = f"no native core ({exc})"
 print(f"aarch64: machine {platform.machine()}, Python {platform.python_version()}, "
-      f"grpcio {grpc.__version__}, cryptography {cryptography.__version__}, pyverbs imports")'
+      f"grpcio {grpc.__version__}, cryptography {cryptography.__version__}, pyverbs imports, "
+      f"{core}")'
     if [ "$MODE" = shell ]; then
         in_chroot /usr/bin/env -C /src /bin/bash -i || status=$?
         return "$status"
@@ -231,7 +274,7 @@ while [ $# -gt 0 ]; do
         --binfmt) MODE=binfmt ;;
         --rebuild) REBUILD=1 ;;
         --) shift; MODE=args; ARGS=("$@"); break ;;
-        -h|--help) sed -n '2,20s/^# \{0,1\}//p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift
