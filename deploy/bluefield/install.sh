@@ -3,16 +3,18 @@
 # box with an RDMA device). Run as root from a checkout of this repository:
 #
 #   sudo deploy/bluefield/install.sh --tls-dir ./pki         # the usual case
-#   sudo deploy/bluefield/install.sh --wheel dpu_offload-0.1.0-py3-none-any.whl ...
+#   sudo deploy/bluefield/install.sh --wheel dpu_offload-0.1.0-cp311-cp311-linux_aarch64.whl ...
 #
 # What it does, idempotently:
 #   1. apt-get install rdma-core, ibverbs-providers, python3-pyverbs, python3-venv,
 #      iproute2 and mosquitto-clients (on DOCA/BlueField images the RDMA packages come
-#      from NVIDIA's repository and are kept as they are);
+#      from NVIDIA's repository and are kept as they are), and gcc, libc6-dev,
+#      python3-dev and libibverbs-dev, which the wheel's optional C extension (the verbs
+#      transport's native core) is compiled with;
 #   2. a virtualenv /opt/dpu-agent/venv made from /usr/bin/python3 with
 #      --system-site-packages (so the distribution's pyverbs, built against the
-#      installed rdma-core, imports), with the project wheel and its pinned
-#      dependencies (constraints.txt);
+#      installed rdma-core, imports), with the project wheel (built here from the
+#      checkout, its C extension included) and its pinned dependencies (constraints.txt);
 #   3. the system user dpu-agent, /etc/dpu-agent/agent.toml (kept if present: the new
 #      sample goes to agent.toml.dist), the mTLS files from --tls-dir;
 #   4. /etc/systemd/system/dpu-agent.service (+ the netns drop-in with --with-netns),
@@ -29,7 +31,8 @@ VENV=$PREFIX/venv
 CONF_DIR=/etc/dpu-agent
 UNIT_DIR=/etc/systemd/system
 USER_NAME=dpu-agent
-APT_PACKAGES=(rdma-core ibverbs-providers python3-pyverbs python3-venv iproute2 mosquitto-clients)
+APT_PACKAGES=(rdma-core ibverbs-providers python3-pyverbs python3-venv iproute2 mosquitto-clients
+    gcc libc6-dev python3-dev libibverbs-dev)
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -138,8 +141,9 @@ if [ -z "$WHEEL" ]; then
     say "building the wheel from $REPO"
     # A copy, so the build leaves no root-owned build/ or egg-info in the checkout.
     mkdir "$workdir/src"
-    cp -r "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/dpu_agent" "$REPO/dpu_wire" \
-        "$REPO/host_client" "$workdir/src/"
+    cp -r "$REPO/pyproject.toml" "$REPO/setup.py" "$REPO/README.md" "$REPO/dpu_agent" \
+        "$REPO/dpu_wire" "$REPO/host_client" "$workdir/src/"
+    find "$workdir/src" -name '*.so' -delete  # a checkout's in-place build, maybe another arch
     "${pip[@]}" wheel --no-deps -w "$workdir" "$workdir/src"
     WHEEL=$(find "$workdir" -maxdepth 1 -name 'dpu_offload-*.whl' -print -quit)
     [ -n "$WHEEL" ] || die "the wheel build produced no dpu_offload-*.whl"
@@ -150,6 +154,11 @@ say "installing $(basename "$WHEEL") into $VENV"
 "${pip[@]}" install "${constraints[@]}" --force-reinstall --no-deps "$WHEEL"
 "${pip[@]}" install "${constraints[@]}" "$WHEEL"
 "$VENV/bin/python" -c 'import pyverbs, dpu_agent; print("install: dpu-agent", dpu_agent.__version__)'
+if "$VENV/bin/python" -c 'from dpu_wire.transport import _vcore' 2>/dev/null; then
+    say "the verbs transport's native core is built"
+else
+    say "the verbs transport's native core is not built (the wheel has none): pure-Python path"
+fi
 install -m 0644 "$REPO/deploy/README.md" "$PREFIX/README.md"
 
 # --- 3. user, configuration, TLS files --------------------------------------------
