@@ -167,7 +167,7 @@ def check_systemd(tools: Tools, unit: Path, dropin: Path) -> tuple[str, Problems
 
 # --------------------------------------------------------------------- container
 # What deploy/container/build.sh puts in the build context besides the repository's files.
-STAGED = frozenset({"wheels/"})
+STAGED = frozenset({"wheels/", "sdist/"})
 
 
 def copy_sources(containerfile: Path) -> list[str]:

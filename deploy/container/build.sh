@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds the dpu-agent image with podman and no network in the build, as an air-gapped
-# DPU would: a Debian base made locally with mmdebstrap and `podman import`, and the
-# project's wheel with every dependency's from a wheelhouse fetched beforehand on this
-# machine (pip download), installed in the image with --no-index.
+# DPU would: a Debian base made locally with mmdebstrap and `podman import`, every
+# dependency's wheel from a wheelhouse fetched beforehand on this machine (pip download),
+# installed in the image with --no-index, and the project's wheel built in the image's
+# build stage from its sdist (a second local base with the compiler and headers), so that
+# its C extension is compiled for the image's architecture.
 #
 #   deploy/container/build.sh                 the image for this machine (amd64 here)
 #   deploy/container/build.sh --arch arm64    the arm64 image (qemu-user binfmt, as
@@ -22,9 +24,14 @@ MIRRORS=(
     "deb http://deb.debian.org/debian $SUITE-updates main"
     "deb http://deb.debian.org/debian-security $SUITE-security main"
 )
-# What the Containerfile expects of its BASE (its comment says the same).
+# What the Containerfile expects of its BASE (its comment says the same), and of its
+# BUILD_BASE: that and what setup.py's optional C extension (the verbs transport's native
+# core, dpu_wire/transport/_vcore.c) is compiled with.
 BASE_PKGS=(python3 python3-venv python3-pyverbs ibverbs-providers iproute2 passwd
     ca-certificates)
+BUILD_PKGS=("${BASE_PKGS[@]}" gcc libc6-dev python3-dev libibverbs-dev)
+# The project's build backend (pyproject.toml [build-system]), for the offline build stage.
+BUILD_REQS=("setuptools>=68" wheel)
 HOST_PKGS=(podman runc mmdebstrap)
 PODMAN=(podman --runtime runc --cgroup-manager cgroupfs)
 # The default rlimits cannot be raised on these machines ("setrlimit ... not permitted").
@@ -68,28 +75,30 @@ install_host_packages() {
     fi
 }
 
-# The base: mmdebstrap's tarball, imported as localhost/dpu-base:<suite>-<arch>-<key>.
+# A base: mmdebstrap's tarball ($CACHE/<name without dpu->-<arch>-<key>.tar), imported as
+# localhost/<name>:<suite>-<arch>-<key>. base_image NAME PACKAGES...: sets IMPORTED to the tag.
 base_image() {
-    local key tar tag include t
-    key=$(printf '%s\n' "$SUITE" "$ARCH" "${MIRRORS[@]}" "${BASE_PKGS[@]}" | sha256sum | cut -c1-12)
-    tar=$CACHE/base-$ARCH-$key.tar
-    tag=localhost/dpu-base:$SUITE-$ARCH-$key
+    local name=$1 key tar tag include t
+    shift
+    key=$(printf '%s\n' "$SUITE" "$ARCH" "${MIRRORS[@]}" "$@" | sha256sum | cut -c1-12)
+    tar=$CACHE/${name#dpu-}-$ARCH-$key.tar
+    tag=localhost/$name:$SUITE-$ARCH-$key
     if [ ! -e "$tar" ]; then
         mkdir -p "$CACHE"
-        include=$(IFS=,; echo "${BASE_PKGS[*]}")
-        log "making the $ARCH base with mmdebstrap (minbase + $include)"
+        include=$(IFS=,; echo "$*")
+        log "making $name for $ARCH with mmdebstrap (minbase + $include)"
         t=$(now)
         mmdebstrap --quiet --variant=minbase --arch="$ARCH" --include="$include" \
-            "$SUITE" "$CACHE/partial-$ARCH.tar" "${MIRRORS[@]}"
-        mv "$CACHE/partial-$ARCH.tar" "$tar"
-        log "base tarball in $(($(now) - t)) s ($(du -h "$tar" | cut -f1))"
-        find "$CACHE" -maxdepth 1 -name "base-$ARCH-*.tar" ! -name "base-$ARCH-$key.tar" -delete
+            "$SUITE" "$CACHE/partial-$name-$ARCH.tar" "${MIRRORS[@]}"
+        mv "$CACHE/partial-$name-$ARCH.tar" "$tar"
+        log "$name tarball in $(($(now) - t)) s ($(du -h "$tar" | cut -f1))"
+        find "$CACHE" -maxdepth 1 -name "${name#dpu-}-$ARCH-*.tar" ! -name "${tar##*/}" -delete
     fi
     if ! "${PODMAN[@]}" image exists "$tag"; then
         log "podman import $tar as $tag"
         "${PODMAN[@]}" import --arch "$ARCH" "$tar" "$tag" >/dev/null
     fi
-    BASE=$tag
+    IMPORTED=$tag
 }
 
 project_requirements() {
@@ -98,10 +107,12 @@ print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
         pyproject.toml
 }
 
-# Every dependency's wheel for the image's platform (Debian 12: CPython 3.11, glibc 2.36).
+# Every dependency's wheel for the image's platform (Debian 12: CPython 3.11, glibc 2.36),
+# and the build backend's.
 wheelhouse() {
     local key reqs=() plat=() v t
-    key=$(cat pyproject.toml constraints.txt <(echo "$ARCH") | sha256sum | cut -c1-12)
+    key=$(cat pyproject.toml constraints.txt <(echo "$ARCH") <(printf '%s\n' "${BUILD_REQS[@]}") \
+        | sha256sum | cut -c1-12)
     WHEELS=$CACHE/wheels-$ARCH-$key
     [ -e "$WHEELS/.complete" ] && return 0
     local machine=x86_64
@@ -115,7 +126,7 @@ wheelhouse() {
     t=$(now)
     .venv/bin/python -m pip download -qq --disable-pip-version-check -d "$WHEELS" \
         --only-binary=:all: "${plat[@]}" --python-version 3.11 --implementation cp \
-        --abi cp311 --abi abi3 --abi none -c constraints.txt "${reqs[@]}"
+        --abi cp311 --abi abi3 --abi none -c constraints.txt "${reqs[@]}" "${BUILD_REQS[@]}"
     touch "$WHEELS/.complete"
     log "wheels in $(($(now) - t)) s ($(find "$WHEELS" -name '*.whl' | wc -l) files)"
     find "$CACHE" -maxdepth 1 -name "wheels-$ARCH-*" ! -name "wheels-$ARCH-$key" \
@@ -126,21 +137,31 @@ T0=$(now)
 install_host_packages
 # arm64 on this machine: qemu-user registered with binfmt_misc, as the arm64 suite does
 [ "$ARCH" = "$NATIVE" ] || deploy/aarch64/run-tests.sh --binfmt
-base_image
+base_image dpu-base "${BASE_PKGS[@]}"
+BASE=$IMPORTED
+base_image dpu-build-base "${BUILD_PKGS[@]}"
+BUILD_BASE=$IMPORTED
 wheelhouse
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
-mkdir -p "$STAGE/wheels" "$STAGE/deploy/container"
+mkdir -p "$STAGE/wheels" "$STAGE/sdist" "$STAGE/deploy/container"
 cp constraints.txt "$STAGE/"
 cp deploy/container/agent.toml "$STAGE/deploy/container/"
 cp "$WHEELS"/*.whl "$STAGE/wheels/"
-# The project's own wheel: pure Python, built from this checkout every time.
-.venv/bin/python -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
-    -w "$STAGE/wheels" . >&2
-log "building $IMAGE from $BASE (podman build --network none)"
+# The project's sdist, made from this checkout every time (in a copy: no build/ or
+# egg-info left here); the build stage makes the wheel from it, C extension included.
+# -W ignore: setuptools' deprecation notes about pyproject.toml.
+mkdir "$STAGE/src"
+git ls-files -z --cached --others --exclude-standard \
+    | tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -xf - -C "$STAGE/src"
+PY=$PWD/.venv/bin/python
+(cd "$STAGE/src" && "$PY" -W ignore setup.py -q sdist -d "$STAGE/sdist" >&2)
+rm -rf "$STAGE/src"
+log "building $IMAGE from $BASE, its wheel in $BUILD_BASE (podman build --network none)"
 t=$(now)
 "${PODMAN[@]}" build --quiet --network none --arch "$ARCH" "${LIMITS[@]}" \
-    --build-arg BASE="$BASE" -f deploy/container/Containerfile \
+    --build-arg BASE="$BASE" --build-arg BUILD_BASE="$BUILD_BASE" \
+    -f deploy/container/Containerfile \
     --ignorefile deploy/container/Containerfile.dockerignore -t "$IMAGE" "$STAGE" >/dev/null
 log "image built in $(($(now) - t)) s; total $(($(now) - T0)) s"
 echo "$IMAGE"
