@@ -18,14 +18,16 @@ VM_JUNIT := .testvm/out/junit-vm.xml
 VM_IMAGE_ARCHIVE := .testvm/out/dpu-agent.tar  # the agent's image, for tests/vm/test_container_verbs.py
 # The core RDMA subset the arm64 guest runs (BlueField's ISA): raw RC QPs with 1 MiB
 # WRITE/READ, the verbs transport, 1000 mixed jobs through a real agent, volume I/O,
-# the agent SIGKILLed mid-jobs and with acknowledged writes in flight.
+# the agent SIGKILLed mid-jobs and with acknowledged writes in flight, the native core
+# on both ends and the agent's fast path (compiled for arm64 in the root).
 A64_JUNIT := .testvm/out/junit-aarch64-rdma.xml
 CONTAINER_JUNIT := .testvm/out/junit-container.xml
 A64_RDMA_TESTS := tests/vm/test_rdma_rxe.py tests/vm/test_verbs_transport.py \
     tests/vm/test_dataplane_verbs.py::test_1000_mixed_jobs_over_rxe \
     tests/vm/test_dataplane_verbs.py::test_volume_round_trips_over_rxe \
     tests/vm/test_dataplane_verbs.py::test_agent_killed_mid_jobs_fails_them_and_a_new_session_works \
-    tests/vm/test_dataplane_verbs.py::test_acknowledged_writes_survive_sigkill_over_rxe
+    tests/vm/test_dataplane_verbs.py::test_acknowledged_writes_survive_sigkill_over_rxe \
+    tests/vm/test_native_verbs.py
 
 .PHONY: help venv proto check-proto docs check-docs lint lint-deploy test test-host test-vm test-aarch64 test-aarch64-rdma image test-container lab vm-fetch demo demo-rdma bench clean
 
