@@ -113,7 +113,7 @@ def _install_timers() -> None:
     except ImportError:
         return
     _accumulate(_QueuePair, "_post", "post")  # ibv_post_send of a prepared work request
-    _accumulate(_QueuePair, "_native_send", "post")  # the same through the native core
+    _accumulate(_QueuePair, "_native_chain", "post")  # the same through the native core
     _accumulate(_QueuePair, "_native_copy_send", "post")
     _accumulate(_QueuePair, "poll", "poll")
 

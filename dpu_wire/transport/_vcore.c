@@ -149,24 +149,6 @@ static int do_post(Qp *self, struct ibv_send_wr *wr)
     return ibv_post_send(self->qp, wr, &bad);
 }
 
-/* post_send(wr_id, addr, length, lkey) -> errno: one signalled SEND of one SGE. */
-static PyObject *Qp_post_send(Qp *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    uint64_t wr_id, addr;
-    uint32_t length, lkey;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "post_send(wr_id, addr, length, lkey)");
-        return NULL;
-    }
-    if (!qp_live(self) || !parse_u64(args[0], &wr_id) || !parse_u64(args[1], &addr) ||
-        !parse_u32(args[2], &length) || !parse_u32(args[3], &lkey))
-        return NULL;
-    struct ibv_sge sge = {.addr = addr, .length = length, .lkey = lkey};
-    struct ibv_send_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
-                             .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED};
-    return post_result(do_post(self, &wr));
-}
-
 /* send_copy(wr_id, addr, room, lkey, head, tail) -> errno: copy `head` then `tail`
  * (bytes-like; tail may be None) to `addr`, a send slot of `room` bytes, and post a
  * signalled SEND of them. */
@@ -370,6 +352,32 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* Poll the receive CQ, and the send CQ too if `sends`, until one of them gives a
+ * completion (1, *sent saying which) or `timeout` ns passed (0); -errno on an error.
+ * Called with the GIL released; yields the CPU every 64 polls to its other work (the
+ * softirqs doing rxe's, the peer process). */
+static int spin(Qp *self, uint64_t timeout, int sends, uint64_t *wr_id, int *status,
+                uint32_t *byte_len, int *sent)
+{
+    uint64_t end = now_ns() + timeout;
+    unsigned int spins = 0;
+    *sent = 0;
+    for (;;) {
+        int rc = take_one(self->recv_cq, wr_id, status, byte_len);
+        if (rc)
+            return rc;
+        if (sends && (rc = take_one(self->send_cq, wr_id, status, NULL)) != 0) {
+            *sent = 1;
+            return rc;
+        }
+        if ((++spins & 63) == 0) {
+            if (now_ns() >= end)
+                return 0;
+            sched_yield();
+        }
+    }
+}
+
 /* spin_recv(timeout_ns) -> (slot, status, byte_len) or None: poll the receive CQ, the
  * GIL released, until a completion comes or `timeout_ns` passed. A host waiting for
  * the one COMPLETION it expects takes it the moment it lands, without a trip through
@@ -385,20 +393,14 @@ static PyObject *Qp_spin_recv(Qp *self, PyObject *arg)
     unsigned long long timeout = PyLong_AsUnsignedLongLong(arg);
     if (timeout == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    uint64_t end = now_ns() + timeout;
-    unsigned int spins = 0;
-    for (;;) {
+    if (self->stashed) {
         rc = take_recv(self, &wr_id, &status, &byte_len);
-        if (rc != 0)
-            break;
-        if ((++spins & 63) == 0) {
-            if (now_ns() >= end)
-                break;
-            sched_yield(); /* the CPU's other work: softirqs doing rxe's, the peer */
-        }
+    } else {
+        int sent;
+        Py_BEGIN_ALLOW_THREADS
+        rc = spin(self, timeout, 0, &wr_id, &status, &byte_len, &sent);
+        Py_END_ALLOW_THREADS
     }
-    Py_END_ALLOW_THREADS
     if (rc == 0)
         Py_RETURN_NONE;
     if (rc < 0)
@@ -653,23 +655,7 @@ static PyObject *Qp_wait_any(Qp *self, PyObject *arg)
     int status = 0, rc = 0, sent = 0;
     uint32_t byte_len = 0;
     Py_BEGIN_ALLOW_THREADS
-    uint64_t end = now_ns() + timeout;
-    unsigned int spins = 0;
-    for (;;) {
-        rc = take_one(self->recv_cq, &wr_id, &status, &byte_len);
-        if (rc != 0)
-            break;
-        rc = take_one(self->send_cq, &wr_id, &status, NULL);
-        if (rc != 0) {
-            sent = 1;
-            break;
-        }
-        if ((++spins & 63) == 0) {
-            if (now_ns() >= end)
-                break;
-            sched_yield(); /* the CPU's other work: softirqs doing rxe's, the peer */
-        }
-    }
+    rc = spin(self, timeout, 1, &wr_id, &status, &byte_len, &sent);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         return poll_error(rc);
@@ -698,8 +684,6 @@ static PyObject *Qp_close(Qp *self, PyObject *unused)
 }
 
 static PyMethodDef Qp_methods[] = {
-    {"post_send", (PyCFunction)(void (*)(void))Qp_post_send, METH_FASTCALL,
-     "post_send(wr_id, addr, length, lkey) -> errno: a signalled SEND of one SGE"},
     {"send_copy", (PyCFunction)(void (*)(void))Qp_send_copy, METH_FASTCALL,
      "send_copy(wr_id, addr, room, lkey, head, tail) -> errno: copy into a slot, SEND it"},
     {"post_rdma", (PyCFunction)(void (*)(void))Qp_post_rdma, METH_FASTCALL,

@@ -16,7 +16,6 @@ class Qp:
         recv_depth: int,
         recv_lkey: int,
     ) -> None: ...
-    def post_send(self, wr_id: int, addr: int, length: int, lkey: int, /) -> int: ...
     def send_copy(
         self,
         wr_id: int,

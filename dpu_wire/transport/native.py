@@ -1,9 +1,12 @@
 """The verbs transport's native core: posts and polls in C, when it is built.
 
 `_vcore.c` (built by the package's own build, `setup.py`) does the calls a job makes on
-its queue pair: ibv_post_send of one work request or of a WRITE chained to a SEND,
-ibv_post_recv of a RECV ring slot, one completion at a time from an extended CQ, and a
-wait that spins on the receive CQ with the GIL released. pyverbs stays the resource
+its queue pair: ibv_post_send of one work request or of a WRITE chained to a SEND (a
+SEND's capsule copied into its slot in the same call), ibv_post_recv of a RECV ring
+slot, one completion at a time from an extended CQ; waits that spin on the CQs with the
+GIL released (a host for its only job's completion, an idle agent reactor for its one
+link's next completion); and the agent's fast path, which runs inline COPY jobs to their
+end (`Qp.serve`, `AgentLink.fast_regions`). pyverbs stays the resource
 layer: it makes every object, and this module only finds their C pointers (as
 `_cqnotify` does for the completion channel) and hands them to `_vcore.Qp`, which checks
 that the QP and the CQs belong together before anything is posted through them.

@@ -639,7 +639,7 @@ class _QueuePair:
             view[offset + size : offset + total] = tail
         addr = self._send_ring.addr + offset
         if self._native is not None:
-            self._native_send(addr, total, token, slot)
+            self._native_chain(addr, total, token, slot)
             return
         sge = self._send_sge
         sge.addr = addr
@@ -667,16 +667,11 @@ class _QueuePair:
         self._native_posted(rc, "SEND", slot)
         self._sq.append((wr_id, token, slot))
 
-    def _native_send(self, addr: int, length: int, token: int | None, slot: int) -> None:
-        """`post_send` through the core: the SEND alone, or chained behind a held WRITE."""
+    def _native_chain(self, addr: int, length: int, token: int | None, slot: int) -> None:
+        """`post_send` through the core behind a held WRITE: both in one post."""
+        assert self._held is not None  # noqa: S101 - post_send's other branch takes the rest
         wr_id = self._next_wr_id
         lkey = self._send_ring.lkey
-        if self._held is None:
-            self._next_wr_id = wr_id + 1
-            rc = self._native.post_send(wr_id, addr, length, lkey)
-            self._native_posted(rc, "SEND", slot)
-            self._sq.append((wr_id, token, slot))
-            return
         w_addr, w_length, w_lkey, remote_addr, rkey = self._held
         self._held = None
         self._next_wr_id = wr_id + 2
