@@ -669,11 +669,9 @@ class _QueuePair:
 
     def _native_chain(self, addr: int, length: int, token: int | None, slot: int) -> None:
         """`post_send` through the core behind a held WRITE: both in one post."""
-        assert self._held is not None  # noqa: S101 - post_send's other branch takes the rest
+        w_addr, w_length, w_lkey, remote_addr, rkey = self._pop_held()
         wr_id = self._next_wr_id
         lkey = self._send_ring.lkey
-        w_addr, w_length, w_lkey, remote_addr, rkey = self._held
-        self._held = None
         self._next_wr_id = wr_id + 2
         rc = self._native.post_chain(
             wr_id, w_addr, w_length, w_lkey, remote_addr, rkey, wr_id + 1, addr, length, lkey
@@ -738,19 +736,22 @@ class _QueuePair:
         if self._held is not None and self.error is None and not self._closed:
             self._post_held()
 
+    def _pop_held(self) -> tuple[int, int, int, int, int]:
+        """The held WRITE's operands (addr, length, lkey, remote addr, rkey); none held after."""
+        held = self._held
+        assert held is not None  # noqa: S101 - the callers checked
+        self._held = None
+        return held
+
     def _take_held(self, wr: Any, sge: Any) -> None:  # noqa: ANN401 - pyverbs SendWR, SGE
         """Write the held WRITE's operands into `wr` and `sge`; nothing is held after."""
-        assert self._held is not None  # noqa: S101 - the callers checked
-        addr, length, lkey, remote_addr, rkey = self._held
-        self._held = None
+        addr, length, lkey, remote_addr, rkey = self._pop_held()
         sge.addr, sge.length, sge.lkey = addr, length, lkey
         wr.set_wr_rdma(rkey, remote_addr)
 
     def _post_held(self) -> None:
         if self._native is not None:
-            assert self._held is not None  # noqa: S101 - the callers checked
-            addr, length, lkey, remote_addr, rkey = self._held
-            self._held = None
+            addr, length, lkey, remote_addr, rkey = self._pop_held()
             wr_id = self._next_wr_id
             self._next_wr_id = wr_id + 1
             rc = self._native.post_rdma(wr_id, False, addr, length, lkey, remote_addr, rkey, False)
