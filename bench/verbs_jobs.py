@@ -12,8 +12,14 @@ the SDK. Needs an RDMA device, so `make bench` runs it in the soft-RoCE test VM:
 - `4 KiB copy job p50, READ path`: the same with `open_session(inline=False)`: the
   agent RDMA READs the source (one more round trip and post);
 - `4 KiB copy job p50, vs the pyverbs floor`: the same job against `bench.pyverbs_floor`
-  (the job written directly on pyverbs, two processes, busy polling: how far pure
-  Python goes on this device), and the floor's own ratio to ib_write_lat;
+  run with `DPU_NATIVE=0` (the READ path written directly on pyverbs, two processes,
+  busy polling: how far pure Python goes on this device), and the floor's own ratio to
+  ib_write_lat;
+- `4 KiB copy job p50, vs its shape in a bare loop`: the same job against
+  `bench.pyverbs_floor --shape inline` (the default job's posts, a 4,176-byte SUBMIT,
+  then a WRITE and a COMPLETION in one post, in two bare busy loops on the link's queue
+  pair, through the native core when it is built): what the framework adds to its own
+  wire shape, and that loop's ratio to ib_write_lat (the job's ceiling here);
 - `copy jobs <size> x16` at 64 KiB and 1 MiB, 16 jobs in flight (submitted with
   `submit_many`), bytes the agent WROTE per second against `ib_write_bw` with 16 in
   flight (each job also READs as much);
@@ -34,6 +40,7 @@ import asyncio
 import host_client
 from bench import common, perftest
 from bench.common import TAIL, Result, Table, agent_process, quantile, quick
+from dpu_wire.transport import native
 
 NAME = "verbs_jobs"
 LAT_JOBS = quick(2000, 200)
@@ -102,15 +109,21 @@ def measure() -> tuple[list[Result], list[Table]]:
                 note="open_session(inline=False): the agent READs the source",
             )
         )
-        floor = common.run_module("bench.pyverbs_floor", "--jobs", str(FLOOR_JOBS))
+        floor = common.run_module(
+            "bench.pyverbs_floor", "--jobs", str(FLOOR_JOBS), env={native.ENV: "0"}
+        )
+        core = common.run_module(
+            "bench.pyverbs_floor", "--jobs", str(FLOOR_JOBS), "--shape", "inline"
+        )
         print(f"pyverbs floor: p50 {floor['p50_us']:.0f} us, p99 {floor['p99_us']:.0f} us")
+        print(f"inline shape, bare loop: p50 {core['p50_us']:.0f} us (core {core['native']})")
         results += [
             Result(
                 "4 KiB copy job p50, vs the pyverbs floor",
                 p50_ours,
                 floor["p50_us"],
                 "us",
-                "the job on pyverbs alone (bench.pyverbs_floor) p50",
+                "the job on pyverbs alone (bench.pyverbs_floor, DPU_NATIVE=0) p50",
                 False,
             ),
             Result(
@@ -120,7 +133,26 @@ def measure() -> tuple[list[Result], list[Table]]:
                 "us",
                 "ib_write_lat typ",
                 False,
-                note="the ceiling for a Python data plane on this device",
+                note="the READ path written on pyverbs alone: the ceiling for pure Python here",
+            ),
+            Result(
+                "4 KiB copy job p50, vs its shape in a bare loop",
+                p50_ours,
+                core["p50_us"],
+                "us",
+                "the inline job's posts in a bare busy loop (pyverbs_floor --shape inline) p50",
+                False,
+                note="native core: "
+                + ("yes" if core["native"] else "no (not built or DPU_NATIVE=0)"),
+            ),
+            Result(
+                "bare loop inline copy job p50",
+                core["p50_us"],
+                typical,
+                "us",
+                "ib_write_lat typ",
+                False,
+                note="the default job's wire shape with no framework: its ceiling on this device",
             ),
         ]
         for size in SIZES:
