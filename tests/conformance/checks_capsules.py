@@ -643,23 +643,33 @@ async def deadlines(ctx: Ctx) -> None:
 
 
 async def a_host_that_takes_no_completions(ctx: Ctx) -> None:
-    """DP-2.6-6 (verbs): a host that posts no RECV and goes on sending SUBMITs."""
+    """DP-2.6-6 (verbs): a host that posts no RECV and goes on sending SUBMITs.
+
+    With CRC32C jobs, then with inline COPYs, which an agent may answer on a faster path
+    than its other jobs: the bound holds for every COMPLETION, whichever path made it.
+    """
+    for kind in (Kind.CRC32C, Kind.COPY):
+        await _no_completions_taken(ctx, kind)
+
+
+async def _no_completions_taken(ctx: Ctx, kind: Kind) -> None:
     session = await ctx.open(queue_depth=1)
     host = session.host
     assert isinstance(host, RawVerbsHost)
-    host.stop_reading()
     data = os.urandom(16)
+    destination = (await session.region(16, WRITE)).span() if kind == Kind.COPY else wire.ZERO
+    host.stop_reading()
     sent = 0
     state = await session.get()
     while state.state != session_pb2.SESSION_STATE_FAILED and sent < 8192:
-        batch = [wire.submit_inline(session.next_id(), Kind.CRC32C, data) for _ in range(64)]
+        batch = [wire.submit_inline(session.next_id(), kind, data, destination) for _ in range(64)]
         await host.send_capsules(batch)
         sent += len(batch)
         await asyncio.sleep(0.01)  # the link posts what waited for room
         state = await session.get()
     state = await session.wait_state(session_pb2.SESSION_STATE_FAILED)
-    assert state.state == session_pb2.SESSION_STATE_FAILED, f"{sent} SUBMITs: {state}"
-    assert state.error.code == 14, state
+    assert state.state == session_pb2.SESSION_STATE_FAILED, f"{kind.name}: {sent} SUBMITs: {state}"
+    assert state.error.code == 14, (kind.name, state)
     # On rxe the agent's SEND may also end by retries (its retransmit timer keeps
     # running through RNR waits), which ends the data plane all the same; on hardware
     # RNR is retried for ever and only the bound ends it. The bound's exact place is
