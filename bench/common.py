@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from bench import machine
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Callable, Coroutine, Iterator, Sequence
 
     import host_client
 
@@ -43,6 +46,24 @@ NOISE = 0.5
 # descheduled moment decides them (ib_write_lat's own p99 went from 198 to 4078 us
 # between two runs, so our p99 ratio moved x20).
 TAIL = None
+
+
+@functools.cache
+def _runner() -> asyncio.Runner:
+    runner = asyncio.Runner()
+    atexit.register(runner.close)
+    return runner
+
+
+def arun(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run `coro` on this process's one event loop (use it instead of `asyncio.run`).
+
+    grpc.aio binds its completion queue's poller to the first loop that makes a call;
+    after a second `asyncio.run` in the same process that poller keeps calling into the
+    first, closed loop ("Event loop is closed" tracebacks in the bench's output, grpc
+    issue 25364 and its kin). A bench that runs the SDK several times runs it on one loop.
+    """
+    return _runner().run(coro)
 
 
 def quick(full: _T, short: _T) -> _T:

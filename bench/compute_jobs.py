@@ -19,7 +19,6 @@ The figure's note gives both limits. crc32c at 1 MiB is measured in bench.tcp_da
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from typing import TYPE_CHECKING
@@ -124,7 +123,7 @@ def main() -> list[Result]:
         for kind in kinds():
             library = direct_mib_s(kind.work)
             transport = transport_mib_s(pair, kind.out_size)
-            ours = asyncio.run(through_agent(target, kind))
+            ours = common.arun(through_agent(target, kind))
             reference = min(library, transport)
             which = "library called directly" if library <= transport else "tcp transport alone"
             print(

@@ -10,13 +10,12 @@ machine, and the best of three put the ratio anywhere in 0.78-1.08. Figure `GetA
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
 
 import host_client
-from bench.common import Result, agent_process, quick, write_results
+from bench.common import Result, agent_process, arun, quick, write_results
 from dpu_wire.v1 import agent_pb2, agent_pb2_grpc
 
 CALLS = quick(2000, 200)
@@ -54,7 +53,7 @@ async def _measure(target: str) -> tuple[float, float]:
 def main() -> list[Result]:
     """Run the benchmark and write bench/results/grpc_unary.json."""
     with agent_process() as target:
-        ours, ref = asyncio.run(_measure(target))
+        ours, ref = arun(_measure(target))
     results = [
         Result("GetAgentInfo calls/s", ours, ref, "calls/s", "raw grpc.aio stub"),
     ]

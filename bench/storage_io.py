@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import host_client
-from bench.common import TAIL, Result, agent_process, quick, write_results
+from bench.common import TAIL, Result, agent_process, arun, quick, write_results
 from dpu_agent.storage import DataServices, FileVolumeStore
 
 if TYPE_CHECKING:
@@ -305,7 +305,7 @@ def main() -> list[Result]:
             for write in (True, False):
                 op = "write" if write else "read"
                 ref_iops, ref_p99 = reference(Path(tmp) / "ref.img", depth, write=write)
-                our_iops, our_p99 = asyncio.run(ours(target, depth, write=write))
+                our_iops, our_p99 = arun(ours(target, depth, write=write))
                 label = f"4 KiB random {op} QD{depth}"
                 ref = f"p{op} QD{depth}"
                 results += [
@@ -322,7 +322,7 @@ def main() -> list[Result]:
                 ]
         qd1_size = 64 << 20
         sync_iops = fdatasync_reference(Path(tmp) / "sync.img", qd1_size)
-        qd1 = asyncio.run(qd1_figures(target, qd1_size))
+        qd1 = arun(qd1_figures(target, qd1_size))
         crc = "4 KiB crc32c job QD1 p50"
         results += [
             Result(
@@ -345,7 +345,7 @@ def main() -> list[Result]:
                 higher_is_better=False,
             ),
         ]
-        snaps = asyncio.run(snapshot_times(target))
+        snaps = arun(snapshot_times(target))
         results += [
             Result(
                 "snapshot creation, 1 GiB volume",

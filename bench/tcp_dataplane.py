@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
@@ -91,7 +90,7 @@ def main() -> list[Result]:
             label = common.size_label(size)
             raw = raw_socket_mbps(size)
             ours = transport_write_mbps(pair, size)
-            jobs = asyncio.run(crc_jobs_mbps(target, size))
+            jobs = common.arun(crc_jobs_mbps(target, size))
             print(f"{label}: raw {raw:.0f} MB/s, transport {ours:.0f}, crc32c jobs {jobs:.1f}")
             results += [
                 Result(

@@ -35,8 +35,6 @@ the SDK. Needs an RDMA device, so `make bench` runs it in the soft-RoCE test VM:
 
 from __future__ import annotations
 
-import asyncio
-
 import host_client
 from bench import common, perftest
 from bench.common import TAIL, Result, Table, agent_process, quantile, quick
@@ -87,7 +85,7 @@ def measure() -> tuple[list[Result], list[Table]]:
     results = []
     with agent_process(env) as target:
         typical, p99 = perftest.write_lat(port, client=client)
-        samples = asyncio.run(job_latency_us(target))
+        samples = common.arun(job_latency_us(target))
         p50_ours, p99_ours = quantile(samples, 0.5), quantile(samples, 0.99)
         print(f"4 KiB copy job: p50 {p50_ours:.0f} us, p99 {p99_ours:.0f} us")
         results += [
@@ -96,7 +94,7 @@ def measure() -> tuple[list[Result], list[Table]]:
                 "4 KiB copy job p99", p99_ours, p99, "us", "ib_write_lat p99", False, tolerance=TAIL
             ),
         ]
-        read_path = quantile(asyncio.run(job_latency_us(target, inline=False)), 0.5)
+        read_path = quantile(common.arun(job_latency_us(target, inline=False)), 0.5)
         print(f"4 KiB copy job, READ path: p50 {read_path:.0f} us")
         results.append(
             Result(
@@ -157,7 +155,7 @@ def measure() -> tuple[list[Result], list[Table]]:
         ]
         for size in SIZES:
             reference = perftest.write_bw(port, size, IN_FLIGHT, BW_BYTES, client=client)
-            ours = asyncio.run(job_throughput_mib_s(target, size))
+            ours = common.arun(job_throughput_mib_s(target, size))
             label = common.size_label(size)
             print(f"copy jobs {label} x{IN_FLIGHT}: {ours:.1f} MiB/s written")
             results.append(
@@ -173,7 +171,7 @@ def measure() -> tuple[list[Result], list[Table]]:
             )
     for mode in ("busy", "event"):
         with agent_process({**env, "DPU_AGENT_POLL_MODE": mode}) as target:
-            samples = asyncio.run(job_latency_us(target))
+            samples = common.arun(job_latency_us(target))
         p50 = quantile(samples, 0.5)
         print(f"4 KiB copy job, agent polling {mode}: p50 {p50:.0f} us")
         results.append(
