@@ -19,6 +19,8 @@ Example file (every key optional):
                                   # sleep on the completion channel), busy, event
     poll_spin = 0.002             # adaptive: seconds a queue pair stays polled when idle
                                   # (up to 10x that for one whose jobs come ms apart)
+    reactor_cpus = ""             # CPUs the data-plane thread runs on ("2", "2-3,6");
+                                  # "" = wherever the scheduler puts it
     queue_depth = 32              # default jobs in flight per session (1-1024)
     max_sessions = 64             # sessions the agent serves at once
     max_sessions_per_connection = 8   # sessions one client connection (gRPC peer) holds
@@ -155,6 +157,7 @@ class AgentConfig:
     rdma_device: str = ""
     poll_mode: str = "adaptive"
     poll_spin: float = 0.002
+    reactor_cpus: str = ""
     queue_depth: int = 32
     max_sessions: int = 64
     max_sessions_per_connection: int = 8
@@ -262,6 +265,54 @@ def _transports(value: object, where: str) -> str:
     if not items or any(v not in {"verbs", "tcp"} for v in items):
         raise ConfigError(f"{where}: expected auto or a comma list of verbs, tcp; got {value!r}")
     return ",".join(dict.fromkeys(items))
+
+
+MAX_CPU: Final = 4095
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """The CPUs of a Linux CPU list ("2", "0-3,6"; "" is none); ValueError if malformed."""
+    cpus: set[int] = set()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        low, dash, high = item.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"{item!r} is not a CPU number or a range a-b")
+        first, last = int(low), int(high) if dash else int(low)
+        if first > last or last > MAX_CPU:
+            raise ValueError(f"{item!r} is not a range within 0-{MAX_CPU}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def _cpus(value: object, where: str) -> str:
+    """A CPU list this process may run on, normalised ("3,1-2" -> "1-3")."""
+    if not isinstance(value, str) or len(value) > 1024:
+        raise ConfigError(f'{where}: expected a CPU list such as "2" or "0-3,6"')
+    try:
+        cpus = parse_cpus(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        missing = ",".join(str(cpu) for cpu in sorted(cpus - allowed))
+        raise ConfigError(
+            f"{where}: CPU {missing} is not one this process may run on "
+            f"({_cpu_text(frozenset(allowed))})"
+        )
+    return _cpu_text(cpus)
+
+
+def _cpu_text(cpus: frozenset[int]) -> str:
+    """The shortest CPU list for `cpus` ("0-3,6")."""
+    runs: list[str] = []
+    ordered = sorted(cpus)
+    start = 0
+    for i, cpu in enumerate(ordered):
+        if i + 1 == len(ordered) or ordered[i + 1] != cpu + 1:
+            first = ordered[start]
+            runs.append(str(cpu) if first == cpu else f"{first}-{cpu}")
+            start = i + 1
+    return ",".join(runs)
 
 
 def _text(value: object, where: str) -> str:
@@ -407,6 +458,14 @@ SETTINGS: Final = (
         _seconds(0, 1),
         "adaptive polling: seconds an idle queue pair stays polled (grows to 10x for one "
         "woken after a short sleep)",
+    ),
+    Setting(
+        "dataplane",
+        "reactor_cpus",
+        "reactor_cpus",
+        "DPU_AGENT_REACTOR_CPUS",
+        _cpus,
+        'CPUs the data-plane thread runs on, a CPU list ("2", "0-3,6"); "" = any',
     ),
     Setting(
         "dataplane",

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dpu_agent import __version__, platform, tls
-from dpu_agent.config import ConfigError, rules_file, storage_dir
+from dpu_agent.config import ConfigError, parse_cpus, rules_file, storage_dir
 from dpu_agent.dataplane import transports
 from dpu_agent.dataplane.bus import CompletionBus
 from dpu_agent.dataplane.manager import ManagerSettings, SessionManager
@@ -264,6 +264,7 @@ class AgentServer:
             compute_workers=cfg.compute_workers,
             io_workers=cfg.io_workers,
             on_crash=_exit_on_reactor_crash,
+            cpus=parse_cpus(cfg.reactor_cpus),
         )
         self.reactor.start()
         self.sessions = SessionManager(

@@ -134,6 +134,7 @@ def test_every_setting_has_a_file_key_and_an_environment_variable():
         ({"DPU_AGENT_QUEUE_DEPTH": "8"}, "queue_depth", 8),
         ({"DPU_AGENT_CHUNK_SIZE": "4096"}, "chunk_size", 4096),
         ({"DPU_AGENT_ORPHAN_TIMEOUT": "1.5"}, "orphan_timeout", 1.5),
+        ({"DPU_AGENT_REACTOR_CPUS": ""}, "reactor_cpus", ""),
     ],
 )
 def test_dataplane_settings_from_the_environment(env, attr, value):
@@ -147,6 +148,11 @@ def test_dataplane_settings_from_the_environment(env, attr, value):
         ({"DPU_AGENT_QUEUE_DEPTH": "0"}, "in 1-1024"),
         ({"DPU_AGENT_CHUNK_SIZE": "100"}, "in 4096-16777216"),
         ({"DPU_AGENT_POLL_MODE": "spin"}, "adaptive, busy, event"),
+        ({"DPU_AGENT_REACTOR_CPUS": "a"}, "not a CPU number"),
+        ({"DPU_AGENT_REACTOR_CPUS": "3-1"}, "not a range within 0-4095"),
+        ({"DPU_AGENT_REACTOR_CPUS": "1-99999"}, "not a range within 0-4095"),
+        ({"DPU_AGENT_REACTOR_CPUS": "0--1"}, "not a CPU number or a range"),
+        ({"DPU_AGENT_REACTOR_CPUS": "4095"}, "CPU 4095 is not one this process may run on"),
     ],
 )
 def test_bad_dataplane_settings(env, message):
@@ -246,3 +252,12 @@ def test_a_bad_setting_or_file_is_one_line_on_stderr_and_exit_2(
     assert proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith("dpu-agent: configuration error: ")
     assert fragment in proc.stderr
+
+
+def test_reactor_cpus_are_normalised_and_checked_against_this_process():
+    allowed = sorted(os.sched_getaffinity(0))
+    text = ",".join(str(cpu) for cpu in reversed(allowed))
+    cfg = config.load(None, environ={"DPU_AGENT_REACTOR_CPUS": text + "," + text})
+    assert config.parse_cpus(cfg.reactor_cpus) == frozenset(allowed)
+    assert config.parse_cpus("0-2,5, 7-7") == {0, 1, 2, 5, 7}
+    assert config.parse_cpus("") == frozenset()
