@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+from typing import TypedDict
 
 import crc32c
 import grpc
@@ -114,6 +115,16 @@ async def runs_as_if_read(ctx: Ctx) -> None:
     await _copy_fields_alike(session)
 
 
+class _Fields(TypedDict, total=False):
+    """SUBMIT fields a COPY leaves at 0 or may set (wire.submit's keywords)."""
+
+    deadline_ms: int
+    offset: int
+    handle: int
+    reserved: int
+    length: int
+
+
 async def _copy_fields_alike(session: Sess) -> None:
     """DP-2.8-1 field by field: a COPY whose other fields are changed one at a time gets
     the same answer and makes the same writes with its source inline as READ.
@@ -130,7 +141,7 @@ async def _copy_fields_alike(session: Sess) -> None:
     readonly = await session.region(n, READ)
     base = dst.span(n // 2, n)
     addr, rkey = base.addr, base.rkey
-    variants: list[tuple[Span, dict[str, int]]] = [
+    variants: list[tuple[Span, _Fields]] = [
         (base, {}),
         (base, {"deadline_ms": 60_000}),
         (Span(addr + 1, n, rkey), {}),
@@ -160,9 +171,8 @@ async def _copy_fields_alike(session: Sess) -> None:
             for region in writable:
                 region.view[:] = b"\xee" * region.length
             job_id = session.next_id()
-            if inline:  # the same fields, the source in the capsule (wire.submit_inline)
-                head = wire.submit(job_id, K.COPY, Span(0, n, 0), span, flags=wire.INLINE, **fields)
-                capsule = head[:4] + (80 + n).to_bytes(4, "little") + head[8:] + data
+            if inline:  # the same fields, the source in the capsule
+                capsule = wire.submit_inline(job_id, K.COPY, data, span, **fields)
             else:
                 capsule = wire.submit(job_id, K.COPY, src.span(), span, **fields)
             await session.send(capsule)
