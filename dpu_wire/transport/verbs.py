@@ -682,13 +682,16 @@ class _QueuePair:
 
     def _native_posted(self, rc: int, what: str, slot: int | None) -> None:
         """Fail the link as `_post` does when the core's post answered an errno."""
-        if rc == 0:
-            return
+        if rc != 0:
+            raise self._post_failed(what, f"{os.strerror(rc)} (errno {rc})", slot)
+
+    def _post_failed(self, what: str, why: object, slot: int | None) -> TransportError:
+        """A post was refused: give its slot back and fail the link; the error to raise."""
         if slot is not None:
             self._free_slots.append(slot)
-        error = TransportError(f"posting {what} failed: {os.strerror(rc)} (errno {rc})")
+        error = TransportError(f"posting {what} failed: {why}")
         self.fail(error, None)
-        raise error
+        return error
 
     def post_rdma(  # noqa: PLR0913, PLR0917 - an RDMA operation's operands
         self,
@@ -795,11 +798,7 @@ class _QueuePair:
         try:
             self._qp.post_send(wr)
         except PyverbsError as exc:
-            if slot is not None:
-                self._free_slots.append(slot)
-            error = TransportError(f"posting {what} failed: {exc}")
-            self.fail(error, None)
-            raise error from exc
+            raise self._post_failed(what, exc, slot) from exc
         self._sq.append((wr_id, token, slot))
 
     # -- completions
