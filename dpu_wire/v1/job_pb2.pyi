@@ -723,6 +723,7 @@ class WatchCompletionsRequest(_message.Message):
     INCLUDE_RETAINED_FIELD_NUMBER: _builtins.int
     ORIGIN_FIELD_NUMBER: _builtins.int
     session: _builtins.str
+    """"sessions/{session}" """
     include_retained: _builtins.bool
     """Also send completions that finished before the stream opened and are
     still retained by the agent.

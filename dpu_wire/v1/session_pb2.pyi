@@ -455,6 +455,7 @@ class AdvertiseRegionsRequest(_message.Message):
     REGIONS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     session: _builtins.str
+    """"sessions/{session}" """
     request_id: _builtins.str
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryRegion]: ...
