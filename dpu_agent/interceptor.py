@@ -19,6 +19,7 @@ For every RPC the interceptor:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 import uuid
@@ -146,6 +147,7 @@ def _check(request: object) -> None:
 
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 StreamBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]
+WriterBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[None]]
 
 
 def _wrap_unary(
@@ -182,6 +184,31 @@ def _wrap_stream(
             _check(request)
             async for item in inner(request, context):
                 yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await rpc.fail(exc)
+        finally:
+            rpc.finish()
+
+    return behavior
+
+
+def _wrap_writer(
+    method: str, inner: WriterBehavior, authenticator: Authenticator
+) -> WriterBehavior:
+    """Wrap a server-streaming handler that writes with `context.write` and returns.
+
+    grpc's health servicer's Watch is one: it is awaited, not iterated (iterating it
+    failed every Watch with INTERNAL and a logged traceback).
+    """
+
+    async def behavior(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        rpc = _Rpc(method, context)
+        try:
+            rpc.authenticate(authenticator)
+            _check(request)
+            await inner(request, context)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -233,10 +260,11 @@ class RpcInterceptor(_Interceptor):
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
+            stream = handler.unary_stream
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(
-                    method, cast("StreamBehavior", handler.unary_stream), self._authenticator
-                ),
+                _wrap_stream(method, cast("StreamBehavior", stream), self._authenticator)
+                if inspect.isasyncgenfunction(stream)
+                else _wrap_writer(method, cast("WriterBehavior", stream), self._authenticator),
                 request_deserializer=_lenient(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )

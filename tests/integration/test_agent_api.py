@@ -6,6 +6,7 @@ import platform
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import host_client
 from dpu_wire.v1 import agent_pb2, job_pb2, job_pb2_grpc, network_pb2, session_pb2, storage_pb2
@@ -39,6 +40,16 @@ async def test_health_overall_and_per_service(agent):
         assert await client.health() == "SERVING"
         assert await client.health("dpu.v1.AgentService") == "SERVING"
         assert await client.health("no.such.Service") == "SERVICE_UNKNOWN"
+
+
+async def test_health_watch_streams_the_status(agent):
+    """grpc.health.v1 Watch: its servicer writes with context.write (no async generator)."""
+    async with grpc.aio.insecure_channel(agent.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        call = stub.Watch(health_pb2.HealthCheckRequest(service="dpu.v1.AgentService"))
+        first = await asyncio.wait_for(call.read(), 10)
+        call.cancel()
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_planned_services_answer_unimplemented_with_a_reason(agent):
