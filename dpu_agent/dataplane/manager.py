@@ -63,6 +63,16 @@ TRANSPORT_VERBS: Final = int(agent_pb2.TRANSPORT_VERBS)
 TRANSPORT_TCP: Final = int(agent_pb2.TRANSPORT_TCP)
 
 
+class _FirstCancelled(Exception):
+    """The open a retry waited for was cancelled before it answered."""
+
+
+def _retrieve(future: asyncio.Future[Session]) -> None:
+    """Mark an open's outcome as seen, so one no retry waited for is not logged."""
+    if not future.cancelled():
+        future.exception()
+
+
 @dataclasses.dataclass(frozen=True)
 class ManagerSettings:
     """Limits of the session manager."""
@@ -107,6 +117,9 @@ class SessionManager:
         self._by_request: dict[tuple[str, str], str] = {}
         # (tenant, queue depth, connection) of the sessions being opened
         self._connecting: list[tuple[str, int, str]] = []
+        # (tenant, request_id) -> the session of an open still connecting: a retry that
+        # arrives meanwhile waits for it (DP-1.1-4), bounded like _connecting
+        self._opening: dict[tuple[str, str], asyncio.Future[Session]] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._draining = False
 
@@ -162,10 +175,10 @@ class SessionManager:
         if self._draining:
             raise Unavailable("the agent is shutting down and opens no sessions")
         remembered = (tenant, request_id)
-        if request_id and remembered in self._by_request:
-            existing = self._sessions.get(self._by_request[remembered])
-            if existing is not None:
-                return existing
+        if request_id:
+            replayed = await self._replay(remembered)
+            if replayed is not None:
+                return replayed
         kind = self._choose_transport(transport, host)
         if host is None:
             raise InvalidArgument("host_endpoint is required")
@@ -174,18 +187,14 @@ class SessionManager:
             raise InvalidArgument(
                 f"queue_depth must be 1..{self.settings.max_queue_depth}, not {depth}"
             )
-        if len(self._sessions) + len(self._connecting) >= self.settings.max_sessions:
-            raise ResourceExhausted(
-                f"the agent serves at most {self.settings.max_sessions} sessions"
-            )
-        held = [s.queue_depth for s in self._sessions.values() if s.tenant == tenant]
-        held += [d for t, d, _ in self._connecting if t == tenant]
-        self._quotas.check_sessions(tenant, len(held) + 1, sum(held) + depth)
-        self._check_connection(peer)
+        self._admit(tenant, depth, peer)
         reservation = (tenant, depth, peer)
         self._connecting.append(reservation)
         try:
-            session = await self._connect(tenant, kind, depth, label, host, peer)
+            session = await self._once(
+                remembered if request_id else None,
+                self._connect(tenant, kind, depth, label, host, peer),
+            )
         finally:
             self._connecting.remove(reservation)
         self._sessions[session.session_id] = session
@@ -205,6 +214,50 @@ class SessionManager:
             },
         )
         return session
+
+    async def _replay(self, remembered: tuple[str, str]) -> Session | None:
+        """The session an earlier OpenSession of this (tenant, request_id) opened, or None.
+
+        A retry of one still connecting waits for its answer, an error included (DP-1.1-4);
+        if that call was cancelled before it answered, the retry opens the session itself.
+        """
+        while (opening := self._opening.get(remembered)) is not None:
+            with contextlib.suppress(_FirstCancelled):  # then it opens the session itself
+                return await asyncio.shield(opening)
+        if remembered in self._by_request:
+            return self._sessions.get(self._by_request[remembered])
+        return None
+
+    async def _once(self, key: tuple[str, str] | None, connect: Awaitable[Session]) -> Session:
+        """Await `connect`; retries of `key` that arrive meanwhile wait for its outcome."""
+        opening: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
+        opening.add_done_callback(_retrieve)
+        if key is not None:
+            self._opening[key] = opening
+        try:
+            session = await connect
+        except asyncio.CancelledError:
+            opening.set_exception(_FirstCancelled())
+            raise
+        except BaseException as exc:
+            opening.set_exception(exc)
+            raise
+        finally:
+            if key is not None and self._opening.get(key) is opening:
+                del self._opening[key]
+        opening.set_result(session)
+        return session
+
+    def _admit(self, tenant: str, depth: int, peer: str) -> None:
+        """ResourceExhausted if one more session of `depth` passes a limit."""
+        if len(self._sessions) + len(self._connecting) >= self.settings.max_sessions:
+            raise ResourceExhausted(
+                f"the agent serves at most {self.settings.max_sessions} sessions"
+            )
+        held = [s.queue_depth for s in self._sessions.values() if s.tenant == tenant]
+        held += [d for t, d, _ in self._connecting if t == tenant]
+        self._quotas.check_sessions(tenant, len(held) + 1, sum(held) + depth)
+        self._check_connection(peer)
 
     def _check_connection(self, connection: str) -> None:
         """ResourceExhausted if `connection` already holds its share of sessions."""

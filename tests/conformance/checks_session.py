@@ -113,6 +113,30 @@ async def open_is_idempotent(ctx: Ctx) -> None:
         assert (first.accepted, second.accepted) == (1, 0), "a second data plane was dialled"
     listed = await stubs.sessions.ListSessions(session_pb2.ListSessionsRequest(page_size=1000))
     assert [s.name for s in listed.sessions].count(reply.name) == 1
+    if ctx.tcp:
+        await _retry_while_the_first_connects(ctx)
+
+
+async def _retry_while_the_first_connects(ctx: Ctx) -> None:
+    """A retry that arrives while the first call's data plane is still being connected
+    (its host is slow with its HELLO) waits for it and gets the same session."""
+    stubs = ctx.stubs()
+    slow = ctx.host()
+    assert isinstance(slow, RawTcpHost)
+    slow.listen(hello_delay=1.0)
+    request = ctx.request(slow)
+    first_call = asyncio.ensure_future(stubs.sessions.OpenSession(request, timeout=30))
+    await asyncio.sleep(0.3)  # the agent has dialled and waits for the HELLO
+    retry = await stubs.sessions.OpenSession(request, timeout=30)
+    first = await first_call
+    ctx.adopt(stubs, slow, first)
+    await slow.connected(first.agent_endpoint.tcp.token)
+    assert (retry.name, retry.agent_endpoint.tcp.token) == (
+        first.name,
+        first.agent_endpoint.tcp.token,
+    )
+    await asyncio.sleep(0.3)
+    assert slow.accepted == 1, "the retry dialled a second data plane"
 
 
 async def transport_not_offered(ctx: Ctx) -> None:

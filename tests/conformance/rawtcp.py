@@ -98,11 +98,14 @@ class RawTcpHost:
             )
         )
 
-    def listen(self, *, hello: bytes | None = None) -> None:
-        """Accept connections from now on; send `hello` (default: ours) first on each."""
-        self._acceptor = asyncio.get_running_loop().create_task(self._accept(hello))
+    def listen(self, *, hello: bytes | None = None, hello_delay: float = 0.0) -> None:
+        """Accept connections from now on; send `hello` (default: ours) first on each.
 
-    async def _accept(self, hello: bytes | None) -> None:
+        `hello_delay`: seconds to wait before sending it (a slow host; the agent waits 3).
+        """
+        self._acceptor = asyncio.get_running_loop().create_task(self._accept(hello, hello_delay))
+
+    async def _accept(self, hello: bytes | None, hello_delay: float) -> None:
         loop = asyncio.get_running_loop()
         while True:
             sock, _ = await loop.sock_accept(self.listener)
@@ -112,6 +115,7 @@ class RawTcpHost:
                 sock.close()
                 continue
             self.sock = sock
+            await asyncio.sleep(hello_delay)
             await loop.sock_sendall(sock, wire.hello(self.token) if hello is None else hello)
             try:
                 header = await self.recv_exactly(wire.FRAME.size)
