@@ -6,6 +6,10 @@ Example file (every key optional):
     id = "dpu-0"                  # the agent's resource name is "agents/dpu-0"
     listen = "127.0.0.1:50051"    # host:port; port 0 picks a free port
     grace_period = 10.0           # seconds in-flight RPCs get to finish on SIGTERM
+    max_connections = 1024        # gRPC client connections held at once; one more is
+                                  # closed at accept (keeps descriptors for the agent's work)
+    handshake_timeout = 10.0      # seconds a new connection gets to finish its TLS and
+                                  # HTTP/2 handshake before it is closed
 
     [log]
     level = "info"                # debug, info, warning, error
@@ -151,6 +155,8 @@ class AgentConfig:
     agent_id: str = dataclasses.field(default_factory=_default_agent_id)
     listen: str = "127.0.0.1:50051"
     grace_period: float = 10.0
+    max_connections: int = 1024
+    handshake_timeout: float = 10.0
     log_level: str = "info"
     log_format: str = "json"
     transports: str = "auto"
@@ -426,6 +432,22 @@ SETTINGS: Final = (
         "DPU_AGENT_GRACE_PERIOD",
         _seconds(0, 3600),
         "seconds in-flight RPCs get on shutdown",
+    ),
+    Setting(
+        "agent",
+        "max_connections",
+        "max_connections",
+        "DPU_AGENT_MAX_CONNECTIONS",
+        _integer(8, 1 << 20),
+        "gRPC client connections held at once (one more is closed at accept)",
+    ),
+    Setting(
+        "agent",
+        "handshake_timeout",
+        "handshake_timeout",
+        "DPU_AGENT_HANDSHAKE_TIMEOUT",
+        _seconds(0.1, 120),
+        "seconds a new gRPC connection gets to finish its TLS and HTTP/2 handshake",
     ),
     Setting("log", "level", "log_level", "DPU_AGENT_LOG_LEVEL", _choice(*logs.LEVELS), "log level"),
     Setting(

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import time
 from pathlib import Path
@@ -80,6 +81,31 @@ _SPIN: Final[dict[str, Callable[[float], float]]] = {
     "event": lambda _spin: 0.0,
 }
 MAX_STREAMS_PER_CONNECTION: Final = 1024  # concurrent calls of one client; more wait their turn
+
+
+RESERVED_DESCRIPTORS: Final = 1024  # the agent's own: volumes, data planes, MQTT, metrics
+
+
+def _reserve_descriptors(connections: int) -> None:
+    """Raise the soft RLIMIT_NOFILE so `connections` leave the agent its own descriptors.
+
+    Up to the hard limit; a warning when even that is short (the connections' limit then
+    does not protect the agent's own work from running out).
+    """
+    need = connections + RESERVED_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        soft = raised
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning(
+            "the descriptor limit (%d) is below [agent] max_connections (%d) plus %d for the "
+            "agent's own files: raise LimitNOFILE or lower max_connections",
+            soft,
+            connections,
+            RESERVED_DESCRIPTORS,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,8 +318,14 @@ class AgentServer:
                 ("grpc.max_send_message_length", MAX_ANSWER_BYTES),
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+                # a connection past this is closed at accept, and one that has not finished
+                # its handshake (TLS, HTTP/2 settings) in time is closed: descriptors and
+                # memory stay bounded whoever connects (README "Security")
+                ("grpc.max_allowed_incoming_connections", self.config.max_connections),
+                ("grpc.server_handshake_timeout_ms", round(self.config.handshake_timeout * 1000)),
             ],
         )
+        _reserve_descriptors(self.config.max_connections)
         self._register(server, guarded, served, planned, start_time=start_time, devices=devices)
         try:
             if security.credentials is None:  # tls.security() allowed it: loopback only

@@ -47,6 +47,8 @@ def test_precedence_file_then_env_then_overrides(tmp_path):
         ('[agent]\nlisten = "h:70000"', "not host:port"),
         ("[agent]\ngrace_period = -1", "seconds in 0-3600 s"),
         ("[agent]\ngrace_period = true", "seconds in 0-3600 s"),
+        ("[agent]\nmax_connections = 0", "integer in 8-1048576"),
+        ("[agent]\nhandshake_timeout = 0", "seconds in 0.1-120 s"),
         ("[dataplane]\norphan_timeout = 0", "seconds in 0.5-3600 s"),
         ("[dataplane]\nqueue_depth = 8.0", "integer in 1-1024"),
         ("[mqtt]\ntelemetry_interval = 0.01", "0 = off, or 0.1-3600 s"),
