@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError, Message
 from dpu_agent import auth, errors, request_context
 from dpu_agent.replies import Replies, request_id_of
 from dpu_agent.status import status_for
+from dpu_agent.stream_slots import StreamSlots
 from dpu_agent.validation import MAX_REQUEST_BYTES, validate_request
 from dpu_wire import API_PACKAGE, REQUEST_ID_METADATA_KEY
 
@@ -148,6 +149,9 @@ def _check(request: object) -> None:
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]
 StreamBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]
 WriterBehavior = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[None]]
+BidiBehavior = Callable[
+    [AsyncIterator[Any], grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]
+]
 
 
 def _wrap_unary(
@@ -195,7 +199,7 @@ def _wrap_stream(
 
 
 def _wrap_writer(
-    method: str, inner: WriterBehavior, authenticator: Authenticator
+    method: str, inner: WriterBehavior, authenticator: Authenticator, slots: StreamSlots
 ) -> WriterBehavior:
     """Wrap a server-streaming handler that writes with `context.write` and returns.
 
@@ -208,7 +212,29 @@ def _wrap_writer(
         try:
             rpc.authenticate(authenticator)
             _check(request)
-            await inner(request, context)
+            with slots.hold(context.peer()):
+                await inner(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await rpc.fail(exc)
+        finally:
+            rpc.finish()
+
+    return behavior
+
+
+def _wrap_bidi(method: str, inner: BidiBehavior, slots: StreamSlots) -> BidiBehavior:
+    """Server reflection's stream: no credentials, held in a slot of `slots`."""
+
+    async def behavior(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        rpc = _Rpc(method, context)
+        try:
+            with slots.hold(context.peer()):
+                async for item in inner(requests, context):
+                    yield item
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -230,13 +256,15 @@ else:  # grpc's classes are not subscriptable at run time
 class RpcInterceptor(_Interceptor):
     """Request ids, principals, validation, error mapping and access logs.
 
-    Unary and server-streaming calls are wrapped; other kinds (server reflection's
-    bidirectional stream) pass through.
+    Unary and server-streaming calls are wrapped, and so is server reflection's
+    bidirectional stream; the streams held without credentials take a slot of `slots`
+    (`dpu_agent.stream_slots`).
     """
 
     def __init__(self, authenticator: Authenticator) -> None:
         self._authenticator = authenticator
         self._replies = Replies()
+        self.slots = StreamSlots()
 
     async def intercept_service(
         self,
@@ -264,8 +292,16 @@ class RpcInterceptor(_Interceptor):
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(method, cast("StreamBehavior", stream), self._authenticator)
                 if inspect.isasyncgenfunction(stream)
-                else _wrap_writer(method, cast("WriterBehavior", stream), self._authenticator),
+                else _wrap_writer(
+                    method, cast("WriterBehavior", stream), self._authenticator, self.slots
+                ),
                 request_deserializer=_lenient(handler.request_deserializer, method),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None and not method.startswith(f"/{API_PACKAGE}."):
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_bidi(method, cast("BidiBehavior", handler.stream_stream), self.slots),
+                request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler

@@ -9,9 +9,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import host_client
+from dpu_agent.stream_slots import MAX_STREAMS_PER_PEER
 from dpu_wire.v1 import agent_pb2, job_pb2, job_pb2_grpc, network_pb2, session_pb2, storage_pb2
 
 pytestmark = pytest.mark.asyncio
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_agent_info_describes_the_agent(agent):
@@ -50,6 +52,27 @@ async def test_health_watch_streams_the_status(agent):
         first = await asyncio.wait_for(call.read(), 10)
         call.cancel()
     assert first.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_health_watches_without_credentials_are_bounded_per_connection(agent):
+    """dpu_agent.stream_slots: a connection holds at most 8 such streams; one more is
+    RESOURCE_EXHAUSTED at once, and a slot comes back when its stream ends."""
+    async with grpc.aio.insecure_channel(agent.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        held = [stub.Watch(request) for _ in range(MAX_STREAMS_PER_PEER)]
+        for call in held:
+            assert (await asyncio.wait_for(call.read(), 10)).status == SERVING
+        extra = stub.Watch(request)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(extra.read(), 10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held.pop().cancel()
+        await asyncio.sleep(0.2)
+        again = stub.Watch(request)
+        assert (await asyncio.wait_for(again.read(), 10)).status == SERVING
+        for call in [*held, again]:
+            call.cancel()
 
 
 async def test_planned_services_answer_unimplemented_with_a_reason(agent):
