@@ -13,6 +13,16 @@ something only, and a chunk copies with three memcpys:
 `freeze()` hands out a view of the map that never changes again: every chunk is
 marked frozen, and the next change to a frozen chunk copies it first. The checkpoint
 writer serializes such a view while writes go on.
+
+A dict has no order to search, so the map also keeps a summary of which chunks
+exist: `LEVELS` dicts, level k counting the non-empty groups of `FANOUT` keys of
+level k - 1 (level 0: the chunks themselves). Kept up to date as chunks come and
+go (one dict update, rarely more), it lets `next_entry` jump over empty stretches:
+finding the first entry at or after a block costs a few hundred dict lookups at
+most, whatever the distance, so a trim of a huge, mostly empty range costs what the
+range holds, not its length. Every chunk in `chunks` is in the summary (a chunk
+there that is not is what a search would skip): change `chunks` only through the
+methods here.
 """
 
 from __future__ import annotations
@@ -30,6 +40,10 @@ ABSENT: Final = 0
 ZERO: Final = 1
 FLAGS_SHIFT: Final = 16
 LENGTH_MASK: Final = (1 << FLAGS_SHIFT) - 1
+
+FANOUT_SHIFT: Final = 6
+FANOUT: Final = 1 << FANOUT_SHIFT  # keys of one level a key of the level above counts
+LEVELS: Final = 4  # above the chunks: the top level's keys span 2**32 blocks
 
 _ZEROS_Q: Final = bytes(8 * CHUNK_BLOCKS)
 _ZEROS_I: Final = bytes(4 * CHUNK_BLOCKS)
@@ -76,11 +90,13 @@ class Chunk:
 class BlockMap:
     """Block number -> entry, for one volume or snapshot. Not thread-safe (the store locks)."""
 
-    __slots__ = ("allocated", "chunks")
+    __slots__ = ("allocated", "chunks", "levels")
 
     def __init__(self) -> None:
         self.chunks: dict[int, Chunk] = {}
         self.allocated = 0  # blocks with data
+        # level k: key >> FANOUT_SHIFT of level k - 1 -> how many of those keys exist
+        self.levels: tuple[dict[int, int], ...] = tuple({} for _ in range(LEVELS))
 
     def __len__(self) -> int:
         return sum(c.used for c in self.chunks.values())
@@ -99,10 +115,30 @@ class BlockMap:
         phys = chunk.phys[i]
         return (phys, chunk.meta[i], chunk.crc[i]) if phys > ZERO else None
 
+    def _added(self, index: int) -> None:
+        """Count a chunk just put in `chunks` in the summary."""
+        for level in self.levels:
+            index >>= FANOUT_SHIFT
+            n = level.get(index, 0)
+            level[index] = n + 1
+            if n:  # the group was counted above already
+                return
+
+    def _removed(self, index: int) -> None:
+        """Forget a chunk just taken out of `chunks` in the summary."""
+        for level in self.levels:
+            index >>= FANOUT_SHIFT
+            n = level[index] - 1
+            if n:
+                level[index] = n
+                return
+            del level[index]
+
     def _writable(self, index: int) -> Chunk:
         chunk = self.chunks.get(index)
         if chunk is None:
             chunk = self.chunks[index] = Chunk()
+            self._added(index)
         elif chunk.frozen:
             chunk = self.chunks[index] = Chunk(chunk)
         return chunk
@@ -146,6 +182,7 @@ class BlockMap:
             self.allocated -= 1
         if not chunk.used:
             del self.chunks[index]
+            self._removed(index)
         return old
 
     def present(self, first: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
@@ -169,6 +206,47 @@ class BlockMap:
                 if p and base + i >= first and (end is None or base + i < end):
                     yield base + i, p
 
+    def next_entry(self, first: int, end: int) -> int | None:
+        """The first block in [first, end) with an entry (data or ZERO), or None.
+
+        Costs a bounded number of lookups per chunk it passes that holds entries, not
+        per block or chunk of the range (see the module doc).
+        """
+        index, stop = first >> CHUNK_SHIFT, ((end - 1) >> CHUNK_SHIFT) + 1
+        chunks = self.chunks
+        while first < end:
+            found = self._first_key(0, index, stop)
+            if found is None:
+                return None
+            base = found << CHUNK_SHIFT
+            phys = chunks[found].phys
+            for i in range(max(first - base, 0), min(end - base, CHUNK_BLOCKS)):
+                if phys[i]:
+                    return base + i
+            index = found + 1
+            first = index << CHUNK_SHIFT
+        return None
+
+    def _first_key(self, depth: int, lo: int, hi: int) -> int | None:
+        """The smallest key in [lo, hi) of summary level `depth` (0: the chunks), or None."""
+        keys: dict[int, int] | dict[int, Chunk] = self.levels[depth - 1] if depth else self.chunks
+        if depth == LEVELS:  # the top: look at its few keys, or at the range if shorter
+            if hi - lo <= len(keys):
+                return next((k for k in range(lo, hi) if k in keys), None)
+            return min((k for k in keys if lo <= k < hi), default=None)
+        while lo < hi:
+            # a group counted above holds a key; one the range covers only in part may
+            # hold none in it (at most the two at its ends): then on to the next group
+            group = self._first_key(depth + 1, lo >> FANOUT_SHIFT, ((hi - 1) >> FANOUT_SHIFT) + 1)
+            if group is None:
+                return None
+            start = max(lo, group << FANOUT_SHIFT)
+            lo = min(hi, (group + 1) << FANOUT_SHIFT)
+            for key in range(start, lo):
+                if key in keys:
+                    return key
+        return None
+
     def has_data_from(self, first: int) -> bool:
         """True if some block >= `first` has data."""
         return any(p > ZERO for _, p in self.present(first))
@@ -186,5 +264,14 @@ class BlockMap:
     def adopt(self, index: int, chunk: Chunk) -> None:
         """Take a whole chunk from another map (which forgets it)."""
         chunk.frozen = True  # it may be in a checkpoint's view: copy before changing it
+        self.load(index, chunk)
+
+    def load(self, index: int, chunk: Chunk) -> None:
+        """Put a whole chunk at `index` (loaded from a checkpoint, or adopted)."""
+        old = self.chunks.get(index)
+        if old is not None:
+            self.allocated -= old.data
+        else:
+            self._added(index)
         self.chunks[index] = chunk
         self.allocated += chunk.data

@@ -196,8 +196,7 @@ def parse_body(body: bytes) -> State:
                     raise DataCorruption("a checkpoint is cut short")
                 chunk = chunk_from(view[at : at + CHUNK_BYTES])
                 at += CHUNK_BYTES
-                node.map.chunks[index] = chunk
-                node.map.allocated += chunk.data
+                node.map.load(index, chunk)
             if parent:
                 parents[number] = parent
             state.add(node)

@@ -91,7 +91,15 @@ from dpu_agent.storage.records import (
     trim_record,
 )
 from dpu_agent.storage.space import SpaceMap
-from dpu_agent.storage.state import SNAPSHOT, VOLUME, Node, State, clone_volumes, resolve
+from dpu_agent.storage.state import (
+    SNAPSHOT,
+    VOLUME,
+    Node,
+    State,
+    clone_volumes,
+    next_to_trim,
+    resolve,
+)
 from dpu_agent.storage.stats import StatsCounter
 from dpu_agent.storage.types import (
     BLOCK_SIZES,
@@ -129,7 +137,7 @@ POOL: Final = "pool"
 # Maps a read may walk (a volume, its snapshots, the snapshots its clone came from):
 # bounds the cost of a lookup and the snapshots a tenant can pile up on one volume.
 MAX_CHAIN_DEPTH: Final = 64
-TRIM_SLICE_BLOCKS: Final = 1 << 12  # blocks a trim changes per hold of the lock (`trim`)
+TRIM_SLICE_BLOCKS: Final = 1 << 12  # blocks a trim looks at per hold of the lock (`trim`)
 _WRITE_RECORD_BYTES: Final = 16  # per block in a write record
 _IOV_MAX: Final = 512  # buffers per vectored write (Linux takes 1024)
 _ZEROS: Final = memoryview(bytes(max(BLOCK_SIZES)))  # padding after a short (compressed) block
@@ -1182,22 +1190,27 @@ class CowVolumeStore(VolumeStore):
         """See `VolumeStore.trim` (durable when it returns).
 
         A trim's cost grows with the blocks its range holds, in the volume and in its
-        snapshots (where it leaves ZERO markers). It is done `TRIM_SLICE_BLOCKS` at a time,
-        each slice under one hold of the store's lock and with its own log record, so one
-        large trim never stalls every other volume's I/O for long. Each block reads as
-        zeros or as before, whatever the crash point: a trim is not atomic (nor is a
-        discard on a disk). A slice that changes nothing (already trimmed) logs nothing.
+        snapshots (where it leaves ZERO markers), not with the range's length. It is done
+        in slices of at most `TRIM_SLICE_BLOCKS` blocks, each under one hold of the store's
+        lock and with its own log record, so one large trim never stalls every other
+        volume's I/O for long. Each slice starts at the next block the volume or a snapshot
+        it reads through has an entry for (`next_to_trim`, which skips an empty stretch
+        without looking at it block by block): a block without one reads as zeros already,
+        so trimming it changes nothing. Each block reads as zeros or as before, whatever
+        the crash point: a trim is not atomic (nor is a discard on a disk). A slice that
+        changes nothing (already trimmed) logs nothing.
         """
         vol = self._volume(volume_id)
         try:
             node = vol.node
             first, count = check_range_in(node.size_bytes, node.block_size, offset, length)
             seq, logged = 0, False
-            for start in range(first, first + count, TRIM_SLICE_BLOCKS):
-                end = min(start + TRIM_SLICE_BLOCKS, first + count)
-                seq, changed = self._trim_slice(vol, offset, length, start, end - start)
+            start: int | None = first
+            while start is not None:
+                seq, changed, start = self._trim_slice(vol, offset, length, start, first + count)
                 logged = logged or changed
-                time.sleep(0)  # let the threads waiting for the lock have it
+                if start is not None:
+                    time.sleep(0)  # let the threads waiting for the lock have it
             with os_errors():
                 self._journal.wait(seq)  # a trim that changed nothing: what made it so
                 if logged:
@@ -1207,20 +1220,30 @@ class CowVolumeStore(VolumeStore):
             raise
 
     def _trim_slice(
-        self, vol: _Volume, offset: int, length: int, start: int, count: int
-    ) -> tuple[int, bool]:
-        """Trim blocks [start, start + count): (the log record to wait for, whether it is ours)."""
+        self, vol: _Volume, offset: int, length: int, start: int, end: int
+    ) -> tuple[int, bool, int | None]:
+        """Trim the next slice of blocks [start, end) that has something to trim.
+
+        Returns the log record to wait for, whether it is ours, and where the rest of the
+        range starts (None: nothing is left to trim).
+        """
         node = vol.node
         with self._lock:
             self._check_live(vol)
             check_range_in(node.size_bytes, node.block_size, offset, length)  # not shrunk since
+            at = next_to_trim(node, start, end)
+            if at is None:  # nothing left in the range: it reads as zeros already
+                return self._journal.appended, False, None
+            stop = min(at + TRIM_SLICE_BLOCKS, end)
+            rest = stop if stop < end else None
             with os_errors():
                 promise = self._journal.reserve(64, emergency=True)
-            frees, changed = self._state.trim(node.node, start, count)
+            frees, changed = self._state.trim(node.node, at, stop - at)
             if not changed:
                 self._journal.unreserve(promise)
-                return self._journal.appended, False
-            return self._journal.append(trim_record(node.node, start, count), frees, promise), True
+                return self._journal.appended, False, rest
+            seq = self._journal.append(trim_record(node.node, at, stop - at), frees, promise)
+            return seq, True, rest
 
     def stats(self, volume_id: str) -> VolumeStats:
         """See `VolumeStore.stats`."""

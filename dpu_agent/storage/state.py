@@ -163,6 +163,27 @@ def visible_in_parents(node: Node, first: int, end: int) -> set[int]:
     return found
 
 
+def next_to_trim(node: Node, first: int, end: int) -> int | None:
+    """The first block in [first, end) that a trim of `node` may have to change, or None.
+
+    That is a block with an entry in `node`'s map, or in an ancestor's that `node` may
+    see (the blocks `visible_in_parents` finds): `State.trim` of a range without any
+    changes nothing. Costs what the maps hold, not the range's length
+    (`BlockMap.next_entry`).
+    """
+    found = node.map.next_entry(first, end)
+    if found is not None:
+        end = found  # only an earlier block of an ancestor matters now
+    limit, parent = node.parent_limit, node.parent
+    while parent is not None and first < min(end, limit):
+        hit = parent.map.next_entry(first, min(end, limit))
+        if hit is not None:
+            found = end = hit
+        limit = min(limit, parent.parent_limit)
+        parent = parent.parent
+    return found
+
+
 class State:
     """Every volume and snapshot. Not thread-safe: the engine holds its lock around it."""
 
