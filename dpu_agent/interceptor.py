@@ -18,6 +18,7 @@ For every RPC the interceptor:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -77,6 +78,18 @@ class _Rpc:
             return  # health checks: answered without credentials
         auth.principal.set(principal)
         self.tenant = principal.tenant
+
+    @contextlib.asynccontextmanager
+    async def guard(self) -> AsyncIterator[None]:
+        """Around the call: any error becomes its status; the access log line at the end."""
+        try:
+            yield
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            await self.fail(exc)
+        finally:
+            self.finish()
 
     async def fail(self, exc: Exception) -> NoReturn:
         """Abort the call with the status the exception maps to."""
@@ -159,19 +172,13 @@ def _wrap_unary(
 ) -> UnaryBehavior:
     async def behavior(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:  # noqa: ANN401
         rpc = _Rpc(method, context)
-        try:
+        async with rpc.guard():
             rpc.authenticate(authenticator)
             _check(request)
             key = request_id_of(method, request)
             if key:
                 return await replies.call(rpc.tenant, method, key, lambda: inner(request, context))
             return await inner(request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status
-            await rpc.fail(exc)
-        finally:
-            rpc.finish()
 
     return behavior
 
@@ -183,17 +190,11 @@ def _wrap_stream(
         request: object, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         rpc = _Rpc(method, context)
-        try:
+        async with rpc.guard():
             rpc.authenticate(authenticator)
             _check(request)
             async for item in inner(request, context):
                 yield item
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await rpc.fail(exc)
-        finally:
-            rpc.finish()
 
     return behavior
 
@@ -209,17 +210,11 @@ def _wrap_writer(
 
     async def behavior(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         rpc = _Rpc(method, context)
-        try:
+        async with rpc.guard():
             rpc.authenticate(authenticator)
             _check(request)
             with slots.hold(context.peer()):
                 await inner(request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await rpc.fail(exc)
-        finally:
-            rpc.finish()
 
     return behavior
 
@@ -231,16 +226,10 @@ def _wrap_bidi(method: str, inner: BidiBehavior, slots: StreamSlots) -> BidiBeha
         requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         rpc = _Rpc(method, context)
-        try:
+        async with rpc.guard():
             with slots.hold(context.peer()):
                 async for item in inner(requests, context):
                     yield item
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await rpc.fail(exc)
-        finally:
-            rpc.finish()
 
     return behavior
 
