@@ -87,7 +87,9 @@ class JobServiceServicer:
 
     def CancelJob(self, request, context):
         """Cancels a queued or running job; it completes with CANCELLED unless it
-        finished first.
+        finished first. The answer is the job as it was when the cancel was asked for
+        (often still RUNNING); its completion comes as usual (watch, COMPLETION capsule,
+        GetJob). A finished job is answered as it is; one no longer retained, NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

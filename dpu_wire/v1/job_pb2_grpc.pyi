@@ -43,7 +43,9 @@ class JobServiceStub:
     ListJobs: _grpc.UnaryUnaryMultiCallable[_job_pb2.ListJobsRequest, _job_pb2.ListJobsResponse]
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_pb2.CancelJobRequest, _job_pb2.Job]
     """Cancels a queued or running job; it completes with CANCELLED unless it
-    finished first.
+    finished first. The answer is the job as it was when the cancel was asked for
+    (often still RUNNING); its completion comes as usual (watch, COMPLETION capsule,
+    GetJob). A finished job is answered as it is; one no longer retained, NOT_FOUND.
     """
     WatchCompletions: _grpc.UnaryStreamMultiCallable[_job_pb2.WatchCompletionsRequest, _job_pb2.Completion]
     """Streams one completion event per job of the session (of the origin asked
@@ -64,7 +66,9 @@ class JobServiceAsyncStub(JobServiceStub):
     ListJobs: _aio.UnaryUnaryMultiCallable[_job_pb2.ListJobsRequest, _job_pb2.ListJobsResponse]  # type: ignore[assignment]
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_pb2.CancelJobRequest, _job_pb2.Job]  # type: ignore[assignment]
     """Cancels a queued or running job; it completes with CANCELLED unless it
-    finished first.
+    finished first. The answer is the job as it was when the cancel was asked for
+    (often still RUNNING); its completion comes as usual (watch, COMPLETION capsule,
+    GetJob). A finished job is answered as it is; one no longer retained, NOT_FOUND.
     """
     WatchCompletions: _aio.UnaryStreamMultiCallable[_job_pb2.WatchCompletionsRequest, _job_pb2.Completion]  # type: ignore[assignment]
     """Streams one completion event per job of the session (of the origin asked
@@ -106,7 +110,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_pb2.Job, _abc.Awaitable[_job_pb2.Job]]:
         """Cancels a queued or running job; it completes with CANCELLED unless it
-        finished first.
+        finished first. The answer is the job as it was when the cancel was asked for
+        (often still RUNNING); its completion comes as usual (watch, COMPLETION capsule,
+        GetJob). A finished job is answered as it is; one no longer retained, NOT_FOUND.
         """
 
     @_abc_1.abstractmethod

@@ -115,6 +115,7 @@ class VolumeStats(_message.Message):
     THROTTLE_DELAY_US_FIELD_NUMBER: _builtins.int
     ALLOCATED_BYTES_FIELD_NUMBER: _builtins.int
     read_ops: _builtins.int
+    """Reads and writes done (trims and flushes are not counted), and their bytes."""
     write_ops: _builtins.int
     read_bytes: _builtins.int
     write_bytes: _builtins.int
@@ -123,8 +124,8 @@ class VolumeStats(_message.Message):
     """Reads and writes the QoS limits delayed, and the delay they got in total."""
     throttle_delay_us: _builtins.int
     allocated_bytes: _builtins.int
-    """Bytes of the blocks the volume itself holds now (a gauge; blocks it still
-    shares with its snapshots are theirs).
+    """Bytes of the blocks the volume itself holds now, at the block size (before
+    compression; a gauge; blocks it still shares with its snapshots are theirs).
     """
     @_builtins.property
     def latency_bounds_us(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -157,7 +158,10 @@ Global___VolumeStats: _TypeAlias = VolumeStats  # noqa: Y015
 @_typing.final
 class QosLimits(_message.Message):
     """Per-volume I/O limits, enforced on the DPU by token buckets (1 s of burst); a
-    throttled job waits, it is never failed or dropped. 0 = no limit; otherwise IOPS
+    throttled job waits (RUNNING, in arrival order), it is never failed or dropped for
+    the limits. Its own deadline still applies while it waits (status 4,
+    DEADLINE_EXCEEDED), as does a cancel; the tokens it took stay spent. 0 = no
+    limit; otherwise IOPS
     1..10,000,000 and bytes/s 65,536..1,099,511,627,776 (INVALID_ARGUMENT outside).
     A VOLUME_TRIM counts as one write operation of no bytes; VOLUME_FLUSH is not
     limited. The limits are the volume owner's: a tenant sets, raises or clears those
@@ -208,13 +212,16 @@ class Volume(_message.Message):
     """Resource name "volumes/{volume}"."""
     size_bytes: _builtins.int
     block_size: _builtins.int
-    """512 or 4096"""
+    """512 or 4096; 0 = 4096"""
     tenant: _builtins.str
     """Tenant that owns the volume. Output only."""
     source_snapshot: _builtins.str
-    """"snapshots/{snapshot}": create the volume as a clone of that snapshot (same
-    block size, data services and key; size_bytes 0 = the snapshot's, larger reads
-    zeros past it). Kept on the clone afterwards.
+    """"snapshots/{snapshot}": create the volume as a clone of that snapshot. The
+    clone takes the snapshot's block size, data services and key: leave block_size,
+    data_services and encryption_key unset (INVALID_ARGUMENT otherwise). size_bytes
+    0 = the snapshot's; larger reads zeros past it; smaller is INVALID_ARGUMENT. A
+    snapshot that does not exist or is another tenant's is NOT_FOUND. Kept on the
+    clone afterwards.
     """
     @_builtins.property
     def data_services(self) -> Global___DataServices: ...

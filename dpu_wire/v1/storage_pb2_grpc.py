@@ -92,6 +92,8 @@ class StorageServiceServicer:
 
     def CreateVolume(self, request, context):
         """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
+        INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
+        encryption_key on a volume without encryption.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,21 +114,25 @@ class StorageServiceServicer:
     def UpdateVolume(self, request, context):
         """Changes a volume's QoS limits (update_mask: "qos", or some of "qos.read_iops",
         "qos.write_iops", "qos.read_bytes_per_second", "qos.write_bytes_per_second";
-        empty means "qos").
+        empty means "qos"; any other path is INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ResizeVolume(self, request, context):
-        """Grows or shrinks a volume; shrinking below written data needs force.
+        """Grows or shrinks a volume; shrinking below written data needs force
+        (FAILED_PRECONDITION without it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteVolume(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Deletes a volume and frees what nothing else uses. FAILED_PRECONDITION while a
+        block function exports it. Allowed while sessions have it attached: their
+        handles stay, and a job on it then fails with status 5 (NOT_FOUND).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -43,17 +43,26 @@ class StorageServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> StorageServiceAsyncStub: ...
     CreateVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.CreateVolumeRequest, _storage_pb2.Volume]
-    """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set."""
+    """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
+    INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
+    encryption_key on a volume without encryption.
+    """
     GetVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetVolumeRequest, _storage_pb2.Volume]
     ListVolumes: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ListVolumesRequest, _storage_pb2.ListVolumesResponse]
     UpdateVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.UpdateVolumeRequest, _storage_pb2.Volume]
     """Changes a volume's QoS limits (update_mask: "qos", or some of "qos.read_iops",
     "qos.write_iops", "qos.read_bytes_per_second", "qos.write_bytes_per_second";
-    empty means "qos").
+    empty means "qos"; any other path is INVALID_ARGUMENT).
     """
     ResizeVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ResizeVolumeRequest, _storage_pb2.Volume]
-    """Grows or shrinks a volume; shrinking below written data needs force."""
+    """Grows or shrinks a volume; shrinking below written data needs force
+    (FAILED_PRECONDITION without it).
+    """
     DeleteVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.DeleteVolumeRequest, _storage_pb2.DeleteVolumeResponse]
+    """Deletes a volume and frees what nothing else uses. FAILED_PRECONDITION while a
+    block function exports it. Allowed while sessions have it attached: their
+    handles stay, and a job on it then fails with status 5 (NOT_FOUND).
+    """
     CreateSnapshot: _grpc.UnaryUnaryMultiCallable[_storage_pb2.CreateSnapshotRequest, _storage_pb2.Snapshot]
     """Takes a read-only snapshot of a volume: every write acknowledged before the
     call, durably. Allowed while a block function exports the volume: the snapshot
@@ -72,17 +81,26 @@ class StorageServiceStub:
 class StorageServiceAsyncStub(StorageServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.CreateVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
-    """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set."""
+    """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
+    INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
+    encryption_key on a volume without encryption.
+    """
     GetVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     ListVolumes: _aio.UnaryUnaryMultiCallable[_storage_pb2.ListVolumesRequest, _storage_pb2.ListVolumesResponse]  # type: ignore[assignment]
     UpdateVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.UpdateVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     """Changes a volume's QoS limits (update_mask: "qos", or some of "qos.read_iops",
     "qos.write_iops", "qos.read_bytes_per_second", "qos.write_bytes_per_second";
-    empty means "qos").
+    empty means "qos"; any other path is INVALID_ARGUMENT).
     """
     ResizeVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.ResizeVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
-    """Grows or shrinks a volume; shrinking below written data needs force."""
+    """Grows or shrinks a volume; shrinking below written data needs force
+    (FAILED_PRECONDITION without it).
+    """
     DeleteVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.DeleteVolumeRequest, _storage_pb2.DeleteVolumeResponse]  # type: ignore[assignment]
+    """Deletes a volume and frees what nothing else uses. FAILED_PRECONDITION while a
+    block function exports it. Allowed while sessions have it attached: their
+    handles stay, and a job on it then fails with status 5 (NOT_FOUND).
+    """
     CreateSnapshot: _aio.UnaryUnaryMultiCallable[_storage_pb2.CreateSnapshotRequest, _storage_pb2.Snapshot]  # type: ignore[assignment]
     """Takes a read-only snapshot of a volume: every write acknowledged before the
     call, durably. Allowed while a block function exports the volume: the snapshot
@@ -104,7 +122,10 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.CreateVolumeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.Volume, _abc.Awaitable[_storage_pb2.Volume]]:
-        """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set."""
+        """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
+        INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
+        encryption_key on a volume without encryption.
+        """
 
     @_abc_1.abstractmethod
     def GetVolume(
@@ -128,7 +149,7 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_storage_pb2.Volume, _abc.Awaitable[_storage_pb2.Volume]]:
         """Changes a volume's QoS limits (update_mask: "qos", or some of "qos.read_iops",
         "qos.write_iops", "qos.read_bytes_per_second", "qos.write_bytes_per_second";
-        empty means "qos").
+        empty means "qos"; any other path is INVALID_ARGUMENT).
         """
 
     @_abc_1.abstractmethod
@@ -137,14 +158,20 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.ResizeVolumeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.Volume, _abc.Awaitable[_storage_pb2.Volume]]:
-        """Grows or shrinks a volume; shrinking below written data needs force."""
+        """Grows or shrinks a volume; shrinking below written data needs force
+        (FAILED_PRECONDITION without it).
+        """
 
     @_abc_1.abstractmethod
     def DeleteVolume(
         self,
         request: _storage_pb2.DeleteVolumeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_storage_pb2.DeleteVolumeResponse, _abc.Awaitable[_storage_pb2.DeleteVolumeResponse]]: ...
+    ) -> _typing.Union[_storage_pb2.DeleteVolumeResponse, _abc.Awaitable[_storage_pb2.DeleteVolumeResponse]]:
+        """Deletes a volume and frees what nothing else uses. FAILED_PRECONDITION while a
+        block function exports it. Allowed while sessions have it attached: their
+        handles stay, and a job on it then fails with status 5 (NOT_FOUND).
+        """
 
     @_abc_1.abstractmethod
     def CreateSnapshot(
