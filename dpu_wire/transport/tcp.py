@@ -71,7 +71,7 @@ TOKEN_BYTES: Final = 32
 CONNECT_TIMEOUT: Final = 5.0  # the agent's connect() to the host's listener
 HELLO_TIMEOUT: Final = 3.0  # each side's wait for the other's HELLO (sent at once)
 OP_TIMEOUT: Final = 30.0  # a READ or WRITE the host leaves unanswered this long fails the link
-MAX_CANDIDATES: Final = 8  # connections a host holds while it waits for the agent's HELLO
+MAX_CANDIDATES: Final = 32  # connections a host checks at once (the oldest goes for a newer)
 _RX_BUFFER: Final = 1 << 16
 _IOV_MAX: Final = 512  # buffers per sendmsg (Linux IOV_MAX is 1024)
 _SEND_CHUNK: Final = 1 << 22  # bytes per sendmsg: keeps one session from hogging the loop
@@ -786,7 +786,10 @@ class TcpHostLink(HostLink, FrameHandler):
         self._stream: FrameStream | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._acceptor: asyncio.Task[None] | None = None
-        self._candidates: asyncio.Queue[socket.socket] = asyncio.Queue(MAX_CANDIDATES)
+        # accepted connections being checked, oldest first, and the HELLOs they sent
+        self._held: dict[socket.socket, asyncio.Task[None]] = {}
+        self._hellos: dict[socket.socket, bytes] = {}
+        self._hello_arrived = asyncio.Event()
         self._capsule = bytearray(MAX_CAPSULE)
         self._on_capsule: Callable[[memoryview], None] | None = None
         self._on_failure: Callable[[TransportError], None] | None = None
@@ -808,15 +811,48 @@ class TcpHostLink(HostLink, FrameHandler):
             self._acceptor = self._loop.create_task(self._accept(), name="tcp-host-accept")
 
     async def _accept(self) -> None:
+        """Check every connection at once: a silent one must not hold up the agent's.
+
+        Another local process can connect first and say nothing; with `MAX_CANDIDATES`
+        held, the oldest is dropped for the newest, so only a flood faster than the
+        agent's HELLO could push the agent's connection out.
+        """
         loop = asyncio.get_running_loop()
         while True:
             sock, _ = await loop.sock_accept(self._listener)
             sock.setblocking(False)
-            try:
-                await loop.sock_sendall(sock, _hello(self._token))
-                self._candidates.put_nowait(sock)
-            except (OSError, asyncio.QueueFull):
-                sock.close()
+            if len(self._held) >= MAX_CANDIDATES:
+                self._drop(next(iter(self._held)))
+            self._held[sock] = loop.create_task(self._check(sock), name="tcp-host-hello")
+
+    async def _check(self, sock: socket.socket) -> None:
+        """Send the host's HELLO and take the peer's (judged in `connect`)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.sock_sendall(sock, _hello(self._token))
+            async with asyncio.timeout(HELLO_TIMEOUT):
+                self._hellos[sock] = await _read_hello(loop, sock)
+        except (OSError, TimeoutError, TransportError):
+            self._drop(sock)
+            return
+        self._hello_arrived.set()
+
+    def _drop(self, sock: socket.socket) -> None:
+        task = self._held.pop(sock, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        self._hellos.pop(sock, None)
+        sock.close()
+
+    def _agents(self, token: bytes) -> socket.socket | None:
+        """The connection whose HELLO carries `token`; the others that sent one are closed."""
+        for sock, hello in list(self._hellos.items()):
+            if hmac.compare_digest(hello, token):
+                del self._hellos[sock]
+                del self._held[sock]
+                return sock
+            self._drop(sock)
+        return None
 
     def listen(self) -> None:
         """Start accepting connections (call before OpenSession, on the session's loop)."""
@@ -827,20 +863,11 @@ class TcpHostLink(HostLink, FrameHandler):
         if not isinstance(agent, TcpAddress) or len(agent.token) != TOKEN_BYTES:
             raise TransportError("the agent's answer carries no tcp session token")
         self._start_accepting()
-        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT + HELLO_TIMEOUT):
-                while True:
-                    sock = await self._candidates.get()
-                    try:
-                        async with asyncio.timeout(HELLO_TIMEOUT):
-                            token = await _read_hello(loop, sock)
-                    except (OSError, TimeoutError, TransportError):
-                        sock.close()
-                        continue
-                    if hmac.compare_digest(token, agent.token):
-                        break
-                    sock.close()
+                while (sock := self._agents(agent.token)) is None:
+                    self._hello_arrived.clear()
+                    await self._hello_arrived.wait()
         except TimeoutError:
             raise TransportError("the agent did not connect with the session's token") from None
         finally:
@@ -851,8 +878,8 @@ class TcpHostLink(HostLink, FrameHandler):
         if self._acceptor is not None:
             self._acceptor.cancel()
         self._listener.close()
-        while not self._candidates.empty():
-            self._candidates.get_nowait().close()
+        for sock in list(self._held):
+            self._drop(sock)
 
     def register(self, length: int, access: Access) -> MemoryRegion:
         """Allocate `length` bytes the agent may access as `access` allows."""

@@ -668,3 +668,24 @@ async def test_a_write_ack_leaves_with_the_capsule_its_completion_prompts():
         assert calls == [3]  # the ack's header, the capsule's header and payload
         await agent.close()
         await host.close()
+
+
+async def test_silent_connections_to_the_hosts_listener_do_not_keep_the_agent_out(monkeypatch):
+    """Another local process connects to the SDK's listener first, many times, and says
+    nothing (an outside attack pass: 3 silent connections made OpenSession fail after
+    8 s, the SDK waiting on each in turn). The host checks every connection at once and
+    drops the oldest for a newer one, so the agent's connection is taken at once."""
+    monkeypatch.setattr(tcp, "HELLO_TIMEOUT", 1000.0)  # a silent connection is never timed out
+    host = tcp.TcpHostLink()
+    host.listen()
+    port = host.address.port
+    squatters = [socket.create_connection(("127.0.0.1", port)) for _ in range(96)]
+    try:
+        await asyncio.sleep(0.2)  # the host's loop accepts them
+        sock, token = await tcp.dial(host.address)
+        squatters.append(sock)
+        await asyncio.wait_for(host.connect(TcpAddress("127.0.0.1", 0, token)), 10)
+    finally:
+        for squatter in squatters:
+            squatter.close()
+        await host.close()
