@@ -333,6 +333,16 @@ class FrameStream:
             self._queued += len(view)
 
     @property
+    def queued(self) -> int:
+        """Bytes queued ever."""
+        return self._queued
+
+    @property
+    def sent(self) -> int:
+        """Bytes written to the socket ever."""
+        return self._sent
+
+    @property
     def wants_write(self) -> bool:
         """Whether bytes are queued."""
         return bool(self._tx)
@@ -495,6 +505,7 @@ class _Request(NamedTuple):
     target: memoryview | None  # READ: where the answer goes
     token: int | None
     sent: float  # monotonic time it was queued
+    end: int  # the stream's bytes queued ever with its frame: answerable once sent
 
 
 def eager_flush(queue_depth: int) -> int:
@@ -590,7 +601,8 @@ class TcpAgentLink(AgentLink, FrameHandler):
         if self.error is not None:
             raise self.error
 
-    def _request(self, kind: int, target: memoryview | None, token: int | None) -> int:
+    def _request(self, kind: int, target: memoryview | None, token: int | None, size: int) -> int:
+        """A request id for a frame of `size` bytes the caller queues next."""
         req_id = self._next_req
         self._next_req = (req_id + 1) & 0xFFFF_FFFF or 1
         if len(self._requests) >= self._max_unanswered:
@@ -602,7 +614,8 @@ class TcpAgentLink(AgentLink, FrameHandler):
             )
         if req_id in self._requests:  # 2**32 requests behind: the host stopped answering
             raise self._fail(TransportError("request ids wrapped onto an unanswered request"))
-        self._requests[req_id] = _Request(kind, target, token, time.monotonic())
+        end = self._stream.queued + size
+        self._requests[req_id] = _Request(kind, target, token, time.monotonic(), end)
         return req_id
 
     def post_read(  # noqa: PLR0913, PLR0917 - an RDMA READ's operands
@@ -610,7 +623,8 @@ class TcpAgentLink(AgentLink, FrameHandler):
     ) -> None:
         """Queue a READ frame; the answer lands in `local[offset:offset+length]`."""
         self._check()
-        req_id = self._request(FrameType.READ, local.view[offset : offset + length], token)
+        target = local.view[offset : offset + length]
+        req_id = self._request(FrameType.READ, target, token, FRAME.size)
         self._stream.queue(pack(FrameType.READ, 0, req_id, addr, rkey, length))
 
     def post_write(  # noqa: PLR0913, PLR0917 - an RDMA WRITE's operands
@@ -618,7 +632,7 @@ class TcpAgentLink(AgentLink, FrameHandler):
     ) -> None:
         """Queue a WRITE frame with its payload (sent from `local` without a copy)."""
         self._check()
-        req_id = self._request(FrameType.WRITE, None, token)
+        req_id = self._request(FrameType.WRITE, None, token, FRAME.size + length)
         header = pack(FrameType.WRITE, 0, req_id, addr, rkey, length)
         self._stream.queue(header, local.view[offset : offset + length])
 
@@ -717,7 +731,8 @@ class TcpAgentLink(AgentLink, FrameHandler):
 
     def _answered(self, frame: Frame, kind: FrameType) -> _Request:
         request = self._requests.get(frame.req_id)
-        if request is None or request.kind != kind:
+        # one whose frame has not all left yet is not outstanding (DP-3-3)
+        if request is None or request.kind != kind or request.end > self._stream.sent:
             raise TransportError(
                 f"a {FrameType(frame.kind).name} answers no outstanding {kind.name} "
                 f"(req_id {frame.req_id})"

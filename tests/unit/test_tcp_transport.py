@@ -247,6 +247,23 @@ async def test_a_write_ack_is_no_answer_to_a_read(raw):
     await agent.close()
 
 
+async def test_a_write_ack_for_a_write_still_queued_ends_the_link(raw):
+    """A host that stops reading sees a WRITE's header and acknowledges it before its
+    payload left the agent (an outside review): believed, the job's staging buffer could
+    be reused while the old WRITE still waits to be sent with another job's bytes."""
+    host, r = raw
+    agent = await connected(host, r)
+    staging = agent.staging(64 << 20)
+    writing = asyncio.ensure_future(agent.write(staging, 0, 64 << 20, 0x1000, 7))
+    request = await host.frame()  # the header; the 64 MiB payload cannot all be in flight
+    assert request.kind == tcp.FrameType.WRITE
+    await asyncio.sleep(0.2)  # the agent has sent what the socket took
+    host.sock.send(tcp.pack(tcp.FrameType.WRITE_ACK, 0, request.req_id))
+    with pytest.raises(TransportError, match="answers no outstanding WRITE"):
+        await asyncio.wait_for(writing, 10)
+    await agent.close()
+
+
 @pytest.mark.parametrize(
     "frame",
     [
