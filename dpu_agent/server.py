@@ -94,15 +94,15 @@ def _reserve_descriptors(connections: int) -> None:
     """
     need = connections + RESERVED_DESCRIPTORS
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-        soft = raised
-    if soft != resource.RLIM_INFINITY and soft < need:
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if raised < need:
         log.warning(
             "the descriptor limit (%d) is below [agent] max_connections (%d) plus %d for the "
             "agent's own files: raise LimitNOFILE or lower max_connections",
-            soft,
+            raised,
             connections,
             RESERVED_DESCRIPTORS,
         )

@@ -230,10 +230,11 @@ class SessionManager:
 
     async def _once(self, key: tuple[str, str] | None, connect: Awaitable[Session]) -> Session:
         """Await `connect`; retries of `key` that arrive meanwhile wait for its outcome."""
+        if key is None:  # no request_id: nothing can retry it
+            return await connect
         opening: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
         opening.add_done_callback(_retrieve)
-        if key is not None:
-            self._opening[key] = opening
+        self._opening[key] = opening
         try:
             session = await connect
         except asyncio.CancelledError:
@@ -243,7 +244,7 @@ class SessionManager:
             opening.set_exception(exc)
             raise
         finally:
-            if key is not None and self._opening.get(key) is opening:
+            if self._opening.get(key) is opening:
                 del self._opening[key]
         opening.set_result(session)
         return session
