@@ -210,13 +210,16 @@ async def run_jobs(
 async def job_latencies_us(
     session: host_client.Session, request: host_client.JobRequest, count: int, warm_up: int = 50
 ) -> list[float]:
-    """Submit-to-completion times of `count` jobs of `request`, one at a time (sorted)."""
+    """Submit-to-completion times of `count` jobs of `request`, one at a time (sorted).
+
+    Each is `session.run(request)`: the SDK's call for one job awaited alone.
+    """
     for _ in range(warm_up):
-        (await (await session.submit(request))).raise_for_status()
+        (await session.run(request)).raise_for_status()
     samples = []
     for _ in range(count):
         start = time.perf_counter_ns()
-        (await (await session.submit(request))).raise_for_status()
+        (await session.run(request)).raise_for_status()
         samples.append((time.perf_counter_ns() - start) / 1000)
     return sorted(samples)
 

@@ -5,10 +5,10 @@ the SDK. Needs an RDMA device, so `make bench` runs it in the soft-RoCE test VM:
 
     python3 deploy/testvm/testvm.py run -- .venv/bin/python -m bench.verbs_jobs
 
-- `4 KiB copy job p50` / `p99`: one job in flight, submit to completion as the SDK sees
-  it (the SUBMIT's SEND carrying the 4 KiB source inline, the agent's RDMA WRITE, the
-  completion's SEND), against `ib_write_lat -s 4096` typical and p99 (half a round trip
-  of one WRITE, so expect a ratio well below 1);
+- `4 KiB copy job p50` / `p99`: one job in flight, submit to completion as the SDK
+  sees it (`Session.run`: the SUBMIT's SEND carrying the 4 KiB source inline, the
+  agent's RDMA WRITE, the completion's SEND), against `ib_write_lat -s 4096` typical
+  and p99 (half a round trip of one WRITE, so expect a ratio well below 1);
 - `4 KiB copy job p50, READ path`: the same with `open_session(inline=False)`: the
   agent RDMA READs the source (one more round trip and post);
 - `4 KiB copy job p50, vs the pyverbs floor`: the same job against `bench.pyverbs_floor`

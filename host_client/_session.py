@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 _FORMATS: Final = {name: number for number, name in CODECS.items()}
 _COMPUTE_NAMES: Final = {KINDS[kind].field: kind for kind in COMPUTE_KINDS}
+RUN_TURNS: Final = 32  # `Session.run` jobs in a row without a turn of the event loop
 TRANSPORT_NUMBERS: Final = {
     "auto": agent_pb2.TRANSPORT_UNSPECIFIED,
     "verbs": agent_pb2.TRANSPORT_VERBS,
@@ -198,6 +199,7 @@ class Session:
         self.request_id = ""  # the OpenSession call's x-request-id
         self._credits = Credits(queue_depth)
         self._ids = itertools.count(1)
+        self._run_streak = 0  # `run` calls since the event loop last turned for one
         # job id -> (future, crc32c result?) of capsule and SubmitJob jobs in flight
         self._pending: dict[int, tuple[asyncio.Future[Completion], bool]] = {}
         self._early: dict[int, Completion] = {}
@@ -420,6 +422,48 @@ class Session:
         self._send((out,))
         return job
 
+    async def run(self, request: JobRequest) -> Completion:
+        """Submit one job and wait for its Completion: `await (await submit(request))`.
+
+        Faster for a job alone in flight on a verbs link with the native core: the
+        SUBMIT's post and the wait for its COMPLETION are one call into the core
+        (`HostLink.call`), without a future or a turn of the event loop in between.
+        The wait spins for at most the session's `poll_spin`, and after `RUN_TURNS`
+        such jobs in a row the event loop turns once for the program's other tasks; a
+        job that takes longer completes the usual way. Like `await job`, it returns
+        the Completion whatever the job's state (`raise_for_status` raises).
+        """
+        if self._pending or self.error is not None or self._closed:
+            self._run_streak = 0
+            return await (await self.submit(request))
+        if self._run_streak >= RUN_TURNS:
+            self._run_streak = 0
+            await asyncio.sleep(0)
+            return await self.run(request)
+        if not self._credits.try_take():
+            return await (await self.submit(request))
+        job_id = next(self._ids)
+        out, crc = self._encode(job_id, request)
+        try:
+            got = self._link.call(out, job_id)
+        except TransportError as exc:
+            self._credits.give()
+            self._on_failure(exc)
+            raise (self.error or exc) from None
+        except BaseException:
+            self._credits.give()
+            raise
+        if got is True or got is False:  # the usual way: the COMPLETION comes on the loop
+            self._run_streak = 0
+            future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+            self._pending[job_id] = (future, crc)
+            if got is False:  # the link did not send it
+                self._send((out,))
+            return await Job(job_id, request.kind, future, self._wait_alone)
+        self._run_streak += 1
+        self._credits.give()
+        return Completion.from_fields(got, crc32c_job=crc)
+
     async def submit_many(self, requests: Iterable[JobRequest]) -> list[Job]:
         """Submit jobs as capsules in one send, waiting for credits as needed.
 
@@ -452,9 +496,17 @@ class Session:
     ) -> tuple[Job, OutCapsule]:
         """A job and its SUBMIT for `request`, whose credit is taken (given back on error)."""
         job_id = next(self._ids)
-        row = KINDS[request.kind]
+        out, crc = self._encode(job_id, request)
         future: asyncio.Future[Completion] = loop.create_future()
-        self._pending[job_id] = (future, row.result is Result.CRC32C)
+        self._pending[job_id] = (future, crc)
+        return Job(job_id, request.kind, future, self._wait_alone), out
+
+    def _encode(self, job_id: int, request: JobRequest) -> tuple[OutCapsule, bool]:
+        """The SUBMIT of job `job_id`, and whether its result is a CRC32C.
+
+        Its credit is taken; given back if the request does not fit a SUBMIT.
+        """
+        row = KINDS[request.kind]
         source, flags, inline = request.source, request.flags, None
         if 0 < source[1] <= self.inline_max and row.source:
             inline = self._link.local_view(source)  # None: the agent refuses the span
@@ -473,11 +525,9 @@ class Session:
                 flags=flags,
             )
         except ValueError as exc:
-            del self._pending[job_id]
             self._credits.give()
             raise InvalidArgumentError("INVALID_ARGUMENT", str(exc)) from None
-        job = Job(job_id, request.kind, future, self._wait_alone)
-        return job, (submit if inline is None else (submit, inline))
+        return (submit if inline is None else (submit, inline)), row.result is Result.CRC32C
 
     def _wait_alone(self) -> None:
         """Let the link take the completion of the only job in flight (`HostLink.wait`).
@@ -508,13 +558,13 @@ class Session:
         self, source: Target, destination: Target, *, deadline: float | None = None
     ) -> Completion:
         """Copy and wait; raise the matching DpuError if the job failed."""
-        job = await self.submit(self.copy_request(source, destination, deadline=deadline))
-        return (await job).raise_for_status()
+        done = await self.run(self.copy_request(source, destination, deadline=deadline))
+        return done.raise_for_status()
 
     async def crc32c(self, source: Target, *, deadline: float | None = None) -> int:
         """CRC32C computed on the DPU; raise if the job failed."""
-        job = await self.submit(self.crc32c_request(source, deadline=deadline))
-        completion = (await job).raise_for_status()
+        completion = await self.run(self.crc32c_request(source, deadline=deadline))
+        completion.raise_for_status()
         assert completion.crc32c is not None  # noqa: S101 - a succeeded crc32c job has one
         return completion.crc32c
 
@@ -648,13 +698,15 @@ class Session:
         self, volume: str, offset: int, source: Target, *, fua: bool = False
     ) -> Completion:
         """Write and wait; raise the matching DpuError if it failed."""
-        job = await self.submit_volume_write(volume, offset, source, fua=fua)
-        return (await job).raise_for_status()
+        await self.attach(volume)
+        request = self.volume_request("volume_write", volume, offset=offset, source=source, fua=fua)
+        return (await self.run(request)).raise_for_status()
 
     async def read_volume(self, volume: str, offset: int, destination: Target) -> Completion:
         """Read and wait; raise the matching DpuError (DataLossError on a bad CRC)."""
-        job = await self.submit_volume_read(volume, offset, destination)
-        return (await job).raise_for_status()
+        await self.attach(volume)
+        request = self.volume_request("volume_read", volume, offset=offset, destination=destination)
+        return (await self.run(request)).raise_for_status()
 
     # ------------------------------------------------------------------ compute (fast path)
     async def register_key(self, key: bytes) -> int:

@@ -22,6 +22,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <errno.h>
 #include <sched.h>
@@ -68,6 +69,8 @@ typedef struct {
     int send_stashed;
     uint64_t send_stash_wr_id;
     int send_stash_status;
+    /* call(): the errno of the last RECV repost it made (0: it succeeded). */
+    int recv_errno;
 } Qp;
 
 static int qp_live(Qp *self)
@@ -408,6 +411,101 @@ static PyObject *Qp_spin_recv(Qp *self, PyObject *arg)
     return Py_BuildValue("(KiI)", (unsigned long long)wr_id, status, byte_len);
 }
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define LITTLE_ENDIAN_HOST 1
+#else
+#define LITTLE_ENDIAN_HOST 0 /* the capsules are little-endian: call() hands them over */
+#endif
+
+static uint16_t le16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static uint32_t le32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t le64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* The fields of a received COMPLETION of job `job_id`, as dpu_wire.capsule's
+ * completion_fields gives them: (job_id, state, status, bytes_read, bytes_written,
+ * result, submit_ns, start_ns, end_ns, message). NULL without an exception when the
+ * capsule is anything else (another job's, malformed: the Python path decides). */
+static PyObject *completion_of(const uint8_t *c, uint32_t n, uint64_t job_id)
+{
+    if (!LITTLE_ENDIAN_HOST || n < 80 || c[0] != 'D' || c[1] != 'C' || c[2] != 1 ||
+        c[3] != 3 /* COMPLETION */ || le32(c + 4) != n || le64(c + 8) != job_id)
+        return NULL;
+    uint16_t msg_len = le16(c + 20);
+    uint8_t state = c[18];
+    if (msg_len > 176 || 80u + msg_len != n || state < 3 || state > 5)
+        return NULL;
+    PyObject *message = PyUnicode_DecodeUTF8((const char *)c + 80, msg_len, "replace");
+    if (!message)
+        return NULL;
+    return Py_BuildValue("(KiiKKKKKKN)", (unsigned long long)job_id, (int)state,
+                         (int)le16(c + 16), (unsigned long long)le64(c + 24),
+                         (unsigned long long)le64(c + 32), (unsigned long long)le64(c + 40),
+                         (unsigned long long)le64(c + 48), (unsigned long long)le64(c + 56),
+                         (unsigned long long)le64(c + 64), message);
+}
+
+/* call(wr_id, addr, room, lkey, head, tail, job_id, timeout_ns) -> fields or None
+ *
+ * A host's job alone in flight, in one call: send_copy()'s SEND (OSError if the post
+ * fails), then a spin on the receive CQ, the GIL released, for up to `timeout_ns`. If
+ * what arrives is the COMPLETION of `job_id`, its fields come back (completion_of) and
+ * its RECV is reposted (the errno of that repost in `recv_errno`). Otherwise None: the
+ * SEND is out, and whatever arrived stays for the next poll_recv or spin_recv. */
+static PyObject *Qp_call(Qp *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t job_id, timeout;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "call(wr_id, addr, room, lkey, head, tail, job_id, timeout_ns)");
+        return NULL;
+    }
+    if (!parse_u64(args[6], &job_id) || !parse_u64(args[7], &timeout))
+        return NULL;
+    PyObject *posted = Qp_send_copy(self, args, 6);
+    if (!posted)
+        return NULL;
+    long rc = PyLong_AsLong(posted);
+    Py_DECREF(posted);
+    if (rc) {
+        errno = (int)rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    uint64_t slot = 0;
+    int status = 0, sent = 0, got;
+    uint32_t n = 0;
+    if (self->stashed) {
+        got = take_recv(self, &slot, &status, &n);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        got = spin(self, timeout, 0, &slot, &status, &n, &sent);
+        Py_END_ALLOW_THREADS
+    }
+    if (got < 0)
+        return poll_error(got);
+    if (got == 0)
+        Py_RETURN_NONE;
+    PyObject *fields = NULL;
+    if (status == IBV_WC_SUCCESS && slot < self->recv_depth && n <= self->recv_slot) {
+        const uint8_t *c = (const uint8_t *)(uintptr_t)(self->recv_addr + slot * self->recv_slot);
+        fields = completion_of(c, n, job_id);
+        if (!fields && PyErr_Occurred())
+            PyErr_Clear(); /* undecodable text: the Python path reports it */
+    }
+    if (!fields) { /* for the Python path, in order */
+        self->stashed = 1;
+        self->stash_wr_id = slot;
+        self->stash_status = status;
+        self->stash_byte_len = n;
+        Py_RETURN_NONE;
+    }
+    struct ibv_sge sge = {.addr = self->recv_addr + slot * self->recv_slot,
+                          .length = self->recv_slot, .lkey = self->recv_lkey};
+    struct ibv_recv_wr wr = {.wr_id = slot, .sg_list = &sge, .num_sge = 1};
+    struct ibv_recv_wr *bad = NULL;
+    self->recv_errno = ibv_post_recv(self->qp, &wr, &bad);
+    return fields;
+}
+
 /* fast_setup(addr, lkey, slot_bytes, slots, inline_max): the ring serve() uses. */
 static PyObject *Qp_fast_setup(Qp *self, PyObject *args)
 {
@@ -471,15 +569,8 @@ fail:
     return NULL;
 }
 
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-#define FAST_PATH 1
-#else
-#define FAST_PATH 0 /* the capsule is little-endian: serve() hands everything over */
-#endif
+#define FAST_PATH LITTLE_ENDIAN_HOST /* else serve() hands everything over */
 
-static uint16_t le16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static uint32_t le32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static uint64_t le64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 
 static uint64_t realtime_ns(void)
@@ -698,6 +789,9 @@ static PyMethodDef Qp_methods[] = {
      "poll_recv() -> (slot, status, byte_len) or None"},
     {"spin_recv", (PyCFunction)Qp_spin_recv, METH_O,
      "spin_recv(timeout_ns) -> (slot, status, byte_len) or None, the GIL released"},
+    {"call", (PyCFunction)(void (*)(void))Qp_call, METH_FASTCALL,
+     "call(wr_id, addr, room, lkey, head, tail, job_id, timeout_ns) -> fields or None: "
+     "SEND, then take job_id's COMPLETION if it comes within the timeout"},
     {"fast_setup", (PyCFunction)Qp_fast_setup, METH_VARARGS,
      "fast_setup(addr, lkey, slot_bytes, slots, inline_max): the agent's fast ring"},
     {"set_regions", (PyCFunction)Qp_set_regions, METH_O,
@@ -708,6 +802,12 @@ static PyMethodDef Qp_methods[] = {
      "wait_any(timeout_ns) -> bool: a completion of either queue is there (kept for the next poll)"},
     {"close", (PyCFunction)Qp_close, METH_NOARGS, "forget the pointers; idempotent"},
     {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Qp_members[] = {
+    {"recv_errno", T_INT, offsetof(Qp, recv_errno), READONLY,
+     "the errno of call()'s last RECV repost (0: it succeeded)"},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static void Qp_dealloc(Qp *self)
@@ -727,6 +827,7 @@ static PyTypeObject QpType = {
     .tp_dealloc = (destructor)Qp_dealloc,
     .tp_init = (initproc)Qp_init,
     .tp_methods = Qp_methods,
+    .tp_members = Qp_members,
 };
 
 static PyMethodDef module_methods[] = {

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import TracebackType
 
-    from dpu_wire.capsule import Span
+    from dpu_wire.capsule import CompletionFields, Span
 
 
 OutCapsule = bytes | tuple[bytes, memoryview]
@@ -362,6 +362,20 @@ class HostLink(abc.ABC):
         the GIL released, at most its polling window) delivers it through `on_capsule`
         before returning; the default does nothing.
         """
+
+    def call(self, capsule: OutCapsule, job_id: int) -> CompletionFields | bool:
+        """Send one SUBMIT and take its job's COMPLETION in the same call, if it can.
+
+        Called for a job alone in flight (`Session.run`). A link that can send and
+        then wait cheaply for the answer (verbs with the native core: one call that
+        posts, then spins with the GIL released for at most its polling window)
+        returns the COMPLETION's fields (`dpu_wire.capsule.completion_fields`). True:
+        the capsule was sent but its answer did not come within the window, or
+        something else came first; whatever arrived is delivered through `on_capsule`
+        the usual way. False: nothing was sent (the default; use `send`).
+        """
+        del capsule, job_id
+        return False
 
     def local_view(self, span: Span) -> memoryview | None:
         """This side's memory behind `span`, if it names a region the agent may READ.

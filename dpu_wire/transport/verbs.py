@@ -91,7 +91,7 @@ if TYPE_CHECKING:
     import mmap
     from collections.abc import Callable, Iterator, Sequence
 
-    from dpu_wire.capsule import Span
+    from dpu_wire.capsule import CompletionFields, Span
     from dpu_wire.transport.base import LinkSink
 
 # Importing pyverbs calls logging.basicConfig(level=INFO) (pyverbs/base.pyx): keep the
@@ -666,6 +666,43 @@ class _QueuePair:
         )
         self._native_posted(rc, "SEND", slot)
         self._sq.append((wr_id, token, slot))
+
+    def call(
+        self, capsule: bytes, tail: memoryview | None, job_id: int, timeout: float
+    ) -> CompletionFields | bool | None:
+        """`post_send` of a host's SUBMIT, then up to `timeout` s for its COMPLETION.
+
+        Through the core only (`_vcore` call): False at once, nothing posted, without
+        it or without room for the SEND. Else the COMPLETION's fields if it came (its
+        RECV reposted), or None: whatever arrived stays for the next poll.
+        """
+        core, free, sq = self._native, self._free_slots, self._sq
+        if core is None or self.error is not None or not self.connected:
+            return False
+        depth = self._config.send_depth
+        if not free or len(sq) >= depth:
+            self.poll_sends(None)
+            if not free or len(sq) >= depth:
+                return False
+        slot = free.pop()
+        wr_id = self._next_wr_id
+        self._next_wr_id = wr_id + 1
+        ring, size = self._send_ring, self._send_slot
+        try:
+            fields: CompletionFields | None = core.call(
+                wr_id, ring.addr + slot * size, size, ring.lkey, capsule, tail, job_id,
+                int(timeout * 1e9),
+            )  # fmt: skip
+        except OSError as exc:
+            raise self._post_failed("SEND", exc, slot) from None
+        except ValueError:  # the capsule did not fit: nothing was posted
+            free.append(slot)
+            raise
+        sq.append((wr_id, None, slot))
+        if fields is not None and core.recv_errno:
+            error = TransportError(f"reposting a RECV failed: {os.strerror(core.recv_errno)}")
+            self.fail(error, None)
+        return fields
 
     def _native_chain(self, addr: int, length: int, token: int | None, slot: int) -> None:
         """`post_send` through the core behind a held WRITE: both in one post."""
@@ -1484,6 +1521,28 @@ class VerbsHostLink(HostLink):
             self._kick()  # a capsule arrived while arming: it was handed over; go on
         else:
             self._report()
+
+    def call(self, capsule: OutCapsule, job_id: int) -> CompletionFields | bool:
+        """Post the SUBMIT and spin up to `spin` s for its COMPLETION (HostLink.call).
+
+        Only through the native core, with nothing waiting to be sent and room for the
+        SEND; False otherwise, and nothing is sent. The caller lets its event loop turn
+        between calls (`Session.run`).
+        """
+        if self._closed or self._loop is None or self._backlog:
+            return False
+        if isinstance(capsule, tuple):
+            if not self.inline_max:
+                raise TypeError("this link carries no inline sources (inline_max 0)")
+            fields = self._qp.call(capsule[0], capsule[1], job_id, self._spin)
+        else:
+            fields = self._qp.call(capsule, None, job_id, self._spin)
+        if fields is None:
+            self._kick()  # the answer comes the usual way
+            return True
+        if fields is not False and self._qp.error is not None:  # a RECV not reposted
+            self._report()
+        return fields
 
     def _on_channel(self) -> None:
         self._qp.take_events()

@@ -84,6 +84,48 @@ async def test_inline_copies_run_in_the_core_byte_for_byte(native_agent):
 
 
 @pytest.mark.asyncio
+async def test_run_takes_each_completion_in_the_hosts_core_call(native_agent):
+    # Session.run: the host's SUBMIT and the wait for its COMPLETION are one call into
+    # its core (HostLink.call); each job's answer, a failure included, comes back there.
+    rng = random.Random(11)  # noqa: S311 - test data, not secrets
+    async with (
+        host_client.Client(native_agent.address, timeout=60) as client,
+        await client.open_session(transport="verbs", queue_depth=4, poll_spin=1.0) as session,
+    ):
+        link = session._link
+        assert isinstance(link, VerbsHostLink)
+        qp = link._qp
+        answered = []
+        call = qp.call
+
+        def counting(*args):
+            fields = call(*args)
+            answered.append(isinstance(fields, tuple))
+            return fields
+
+        qp.call = counting  # type: ignore[method-assign]
+        src = await session.alloc(8192, readable=True)
+        dst = await session.alloc(1 << 16, writable=True)
+        readonly = await session.alloc(4096, readable=True)
+        for _ in range(100):
+            length = rng.choice((1, 512, 4096, rng.randint(1, 8192)))
+            at, to = rng.randrange(0, 8192 - length + 1), rng.randrange(0, (1 << 16) - length + 1)
+            data = os.urandom(length)
+            src.view[at : at + length] = data
+            done = await session.run(
+                session.copy_request(src[at : at + length], dst[to : to + length])
+            )
+            assert (done.state, done.bytes_written) == ("SUCCEEDED", length)
+            assert bytes(dst.view[to : to + length]) == data
+        crc = await session.run(session.crc32c_request(src))  # the agent's pipeline answers
+        assert crc.crc32c == crc32c.crc32c(bytes(src.view))
+        refused = await session.run(session.copy_request(src[:4096], readonly))
+        assert (refused.state, refused.code) == ("FAILED", "PERMISSION_DENIED")
+        assert answered == [True] * 102, answered
+        assert await session.crc32c(src) == crc.crc32c  # the session is fine after all that
+
+
+@pytest.mark.asyncio
 async def test_what_the_core_does_not_run_gets_the_pipelines_answer(native_agent):
     async with (
         host_client.Client(native_agent.address, timeout=60) as client,
