@@ -13,17 +13,98 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import os
 from typing import TYPE_CHECKING
 
 from dpu_agent.dataplane.reactor import Reactor
 from dpu_wire.capsule import MAX_CAPSULE
 from dpu_wire.transport import tcp
-from dpu_wire.transport.base import LinkSink, TransportError
+from dpu_wire.transport.base import AgentLink, LinkSink, TransportError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from dpu_wire.transport.base import AgentLink, HostLink, Region
+    from dpu_wire.transport.base import HostLink, PeerAddress, Region
+
+
+class StandInLink(AgentLink):
+    """An `AgentLink` for tests of the reactor: an eventfd as its descriptor, nothing
+    posted; a subclass says what `poll` hands over. `in_flight` is its `outstanding`."""
+
+    def __init__(self, readable: bool = False) -> None:
+        self.error = None
+        self.in_flight = 0
+        self._fd = os.eventfd(int(readable), os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    @property
+    def address(self) -> PeerAddress | None:
+        return None
+
+    def staging(self, length: int) -> Region:
+        raise NotImplementedError
+
+    def release(self, region: Region) -> None:
+        raise NotImplementedError
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def on_event(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._fd)
+
+    @property
+    def outstanding(self) -> int:
+        return self.in_flight
+
+    def room(self) -> int:
+        return 0
+
+    def post_read(
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int
+    ) -> None:
+        raise NotImplementedError
+
+    def post_write(
+        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int | None
+    ) -> None:
+        raise NotImplementedError
+
+    def post_send(self, capsule: bytes, token: int | None = None) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def poll(self, sink: LinkSink, budget: int) -> int:
+        raise NotImplementedError
+
+    def arm(self, sink: LinkSink) -> bool:  # noqa: ARG002 - nothing slips in
+        return True
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class StandInOwner(LinkSink):
+    """A session for tests of the reactor: it is its own sink and posts nothing; a
+    subclass says what to do with each capsule."""
+
+    @property
+    def sink(self) -> LinkSink:
+        return self
+
+    def end_pass(self) -> None:
+        pass
+
+    def link_failed(self) -> None:
+        pass
+
+    def on_capsule(self, data: memoryview) -> None:
+        raise NotImplementedError
+
+    def on_done(self, token: int, error: TransportError | None) -> None:
+        raise AssertionError(f"nothing was posted ({token}, {error})")
 
 
 class AgentEnd(LinkSink):

@@ -9,12 +9,12 @@ thread); the rxe runs are in tests/vm.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 from typing import TYPE_CHECKING
 
 from dpu_agent.dataplane.reactor import Reactor
-from dpu_wire.transport.base import AgentLink, LinkSink, PeerAddress, Region, TransportError
+from dpu_wire.transport.base import LinkSink
+from tests.links import StandInLink, StandInOwner
 
 if TYPE_CHECKING:
     import select
@@ -22,54 +22,15 @@ if TYPE_CHECKING:
 CAPSULES = 200
 
 
-class _PolledLink(AgentLink):
+class _PolledLink(StandInLink):
     """A verbs-like link: polled while hot, capsules pushed by another thread."""
 
     needs_polling = True
 
     def __init__(self) -> None:
-        self.error = None
-        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        super().__init__()
+        self.in_flight = 1  # as a link with work in flight: it stays hot
         self.inbound: collections.deque[bytes] = collections.deque()
-
-    @property
-    def address(self) -> PeerAddress | None:
-        return None
-
-    def staging(self, length: int) -> Region:
-        raise NotImplementedError
-
-    def release(self, region: Region) -> None:
-        raise NotImplementedError
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def on_event(self) -> None:
-        pass
-
-    @property
-    def outstanding(self) -> int:
-        return 1  # as a link with work in flight: it stays hot
-
-    def room(self) -> int:
-        return 0
-
-    def post_read(
-        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int
-    ) -> None:
-        raise NotImplementedError
-
-    def post_write(
-        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int | None
-    ) -> None:
-        raise NotImplementedError
-
-    def post_send(self, capsule: bytes, token: int | None = None) -> None:
-        raise NotImplementedError
-
-    def flush(self) -> None:
-        pass
 
     def poll(self, sink: LinkSink, budget: int) -> int:
         taken = 0
@@ -78,36 +39,17 @@ class _PolledLink(AgentLink):
             taken += 1
         return taken
 
-    def arm(self, sink: LinkSink) -> bool:  # noqa: ARG002 - nothing slips in
-        return True
 
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-class _Owner(LinkSink):
+class _Owner(StandInOwner):
     def __init__(self, expected: int) -> None:
         self.got: list[bytes] = []
         self.all_in = threading.Event()
         self._expected = expected
 
-    @property
-    def sink(self) -> LinkSink:
-        return self
-
-    def end_pass(self) -> None:
-        pass
-
-    def link_failed(self) -> None:
-        pass
-
     def on_capsule(self, data: memoryview) -> None:
         self.got.append(bytes(data))
         if len(self.got) == self._expected:
             self.all_in.set()
-
-    def on_done(self, token: int, error: TransportError | None) -> None:
-        raise AssertionError(f"nothing was posted ({token}, {error})")
 
 
 class _CountingEpoll:

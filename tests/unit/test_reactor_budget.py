@@ -8,67 +8,25 @@ real tcp link's side is in test_tcp_transport.py.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 import threading
 from typing import TYPE_CHECKING
 
 from dpu_agent.dataplane.reactor import POLL_BUDGET, Reactor
-from dpu_wire.transport.base import AgentLink, LinkSink, PeerAddress, Region, TransportError
+from dpu_wire.transport.base import LinkSink
+from tests.links import StandInLink, StandInOwner
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 
-class _BacklogLink(AgentLink):
+class _BacklogLink(StandInLink):
     """A readiness-driven link whose capsules are all in its buffer from the start: its
     descriptor is readable once (the read that brought them), and never again."""
 
     def __init__(self, name: str, count: int) -> None:
-        self.error = None
-        self._fd = os.eventfd(1, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        super().__init__(readable=True)
         self._waiting = [f"{name}{i}".encode() for i in range(count)]
-
-    @property
-    def address(self) -> PeerAddress | None:
-        return None
-
-    def staging(self, length: int) -> Region:
-        raise NotImplementedError
-
-    def release(self, region: Region) -> None:
-        raise NotImplementedError
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def on_event(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(self._fd)
-
-    @property
-    def outstanding(self) -> int:
-        return 0
-
-    def room(self) -> int:
-        return 0
-
-    def post_read(
-        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int
-    ) -> None:
-        raise NotImplementedError
-
-    def post_write(
-        self, local: Region, offset: int, length: int, addr: int, rkey: int, token: int | None
-    ) -> None:
-        raise NotImplementedError
-
-    def post_send(self, capsule: bytes, token: int | None = None) -> None:
-        raise NotImplementedError
-
-    def flush(self) -> None:
-        pass
 
     def poll(self, sink: LinkSink, budget: int) -> int:
         taken, self._waiting = self._waiting[:budget], self._waiting[budget:]
@@ -80,14 +38,8 @@ class _BacklogLink(AgentLink):
     def backlog(self) -> bool:
         return bool(self._waiting)
 
-    def arm(self, sink: LinkSink) -> bool:  # noqa: ARG002 - nothing slips in
-        return True
 
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-class _Owner(LinkSink):
+class _Owner(StandInOwner):
     """A session: records which link each capsule came from, in the order handed over."""
 
     def __init__(self, name: str, order: list[str], done: Callable[[], None]) -> None:
@@ -95,23 +47,10 @@ class _Owner(LinkSink):
         self._order = order
         self._done = done
 
-    @property
-    def sink(self) -> LinkSink:
-        return self
-
-    def end_pass(self) -> None:
-        pass
-
-    def link_failed(self) -> None:
-        pass
-
     def on_capsule(self, data: memoryview) -> None:
         assert bytes(data).startswith(self.name.encode())
         self._order.append(self.name)
         self._done()
-
-    def on_done(self, token: int, error: TransportError | None) -> None:
-        raise AssertionError(f"nothing was posted ({token}, {error})")
 
 
 def test_hot_links_take_turns_of_one_budget_and_no_capsule_is_stranded():
