@@ -108,6 +108,6 @@ def test_one_hot_polled_link_is_served_without_an_epoll_per_pass():
         link.close()
         other.close()
     assert owner.got == [b"capsule %d" % i for i in range(CAPSULES)]
-    assert alone_passes > 100, alone_passes  # it did make passes meanwhile
+    assert alone_passes >= 20, alone_passes  # it did make passes meanwhile
     assert alone_polls == 0, f"{alone_polls} epoll calls in {alone_passes} passes"
     assert with_two > 0

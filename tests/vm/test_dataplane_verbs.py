@@ -81,13 +81,21 @@ async def test_small_sources_go_inline_over_rxe(verbs_agent):
     ):
         assert session.inline_max == 4096  # the agent's [dataplane] inline_max
         inline: list[bool] = []  # per capsule sent: did it carry its source?
-        send = session._link.send  # the SDK's one way to the wire
+        # the SDK's two ways to the wire: send, and call (Session.run's, verbs' core)
+        send, call = session._link.send, session._link.call
 
         def spy(capsules):
             inline.extend(isinstance(c, tuple) for c in capsules)
             send(capsules)
 
+        def call_spy(capsule, job_id):
+            answer = call(capsule, job_id)
+            if answer is not False:  # False: not sent (send follows)
+                inline.append(isinstance(capsule, tuple))
+            return answer
+
         session._link.send = spy  # type: ignore[method-assign]
+        session._link.call = call_spy  # type: ignore[method-assign]
         data = os.urandom(8192)
         buf = await session.alloc(8192, readable=True, writable=True)
         buf.view[:] = data
