@@ -152,26 +152,21 @@ static int do_post(Qp *self, struct ibv_send_wr *wr)
     return ibv_post_send(self->qp, wr, &bad);
 }
 
-/* send_copy(wr_id, addr, room, lkey, head, tail) -> errno: copy `head` then `tail`
- * (bytes-like; tail may be None) to `addr`, a send slot of `room` bytes, and post a
- * signalled SEND of them. */
-static PyObject *Qp_send_copy(Qp *self, PyObject *const *args, Py_ssize_t nargs)
+/* send_copy's work, for it and call(): the errno of the post, or -1 with an exception
+ * (nothing posted). args: wr_id, addr, room, lkey, head, tail. */
+static int copy_and_send(Qp *self, PyObject *const *args)
 {
     uint64_t wr_id, addr;
     uint32_t room, lkey;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "send_copy(wr_id, addr, room, lkey, head, tail)");
-        return NULL;
-    }
     if (!qp_live(self) || !parse_u64(args[0], &wr_id) || !parse_u64(args[1], &addr) ||
         !parse_u32(args[2], &room) || !parse_u32(args[3], &lkey))
-        return NULL;
+        return -1;
     Py_buffer head, tail = {0};
     if (PyObject_GetBuffer(args[4], &head, PyBUF_SIMPLE) < 0)
-        return NULL;
+        return -1;
     if (args[5] != Py_None && PyObject_GetBuffer(args[5], &tail, PyBUF_SIMPLE) < 0) {
         PyBuffer_Release(&head);
-        return NULL;
+        return -1;
     }
     size_t total = (size_t)head.len + (size_t)tail.len;
     if (total > room) {
@@ -179,7 +174,7 @@ static PyObject *Qp_send_copy(Qp *self, PyObject *const *args, Py_ssize_t nargs)
         if (tail.obj)
             PyBuffer_Release(&tail);
         PyErr_SetString(PyExc_ValueError, "the capsule exceeds its send slot");
-        return NULL;
+        return -1;
     }
     uint8_t *slot = (uint8_t *)(uintptr_t)addr;
     memcpy(slot, head.buf, (size_t)head.len);
@@ -191,7 +186,20 @@ static PyObject *Qp_send_copy(Qp *self, PyObject *const *args, Py_ssize_t nargs)
     struct ibv_sge sge = {.addr = addr, .length = (uint32_t)total, .lkey = lkey};
     struct ibv_send_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
                              .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED};
-    return post_result(do_post(self, &wr));
+    return do_post(self, &wr);
+}
+
+/* send_copy(wr_id, addr, room, lkey, head, tail) -> errno: copy `head` then `tail`
+ * (bytes-like; tail may be None) to `addr`, a send slot of `room` bytes, and post a
+ * signalled SEND of them. */
+static PyObject *Qp_send_copy(Qp *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "send_copy(wr_id, addr, room, lkey, head, tail)");
+        return NULL;
+    }
+    int rc = copy_and_send(self, args);
+    return rc < 0 ? NULL : post_result(rc);
 }
 
 /* post_rdma(wr_id, read, addr, length, lkey, remote_addr, rkey, signaled) -> errno. */
@@ -249,6 +257,16 @@ static PyObject *Qp_post_chain(Qp *self, PyObject *const *args, Py_ssize_t nargs
     return post_result(do_post(self, &write));
 }
 
+/* Repost RECV ring slot `slot` (its wr_id is the slot, < recv_depth): the errno. */
+static int repost(Qp *self, uint64_t slot)
+{
+    struct ibv_sge sge = {.addr = self->recv_addr + slot * self->recv_slot,
+                          .length = self->recv_slot, .lkey = self->recv_lkey};
+    struct ibv_recv_wr wr = {.wr_id = slot, .sg_list = &sge, .num_sge = 1};
+    struct ibv_recv_wr *bad = NULL;
+    return ibv_post_recv(self->qp, &wr, &bad);
+}
+
 /* post_recv(slot) -> errno: repost RECV ring slot `slot` (its wr_id is the slot). */
 static PyObject *Qp_post_recv(Qp *self, PyObject *arg)
 {
@@ -261,11 +279,7 @@ static PyObject *Qp_post_recv(Qp *self, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, "no such RECV slot");
         return NULL;
     }
-    struct ibv_sge sge = {.addr = self->recv_addr + (uint64_t)slot * self->recv_slot,
-                          .length = self->recv_slot, .lkey = self->recv_lkey};
-    struct ibv_recv_wr wr = {.wr_id = slot, .sg_list = &sge, .num_sge = 1};
-    struct ibv_recv_wr *bad = NULL;
-    return post_result(ibv_post_recv(self->qp, &wr, &bad));
+    return post_result(repost(self, slot));
 }
 
 /* One completion of an extended CQ: 1 and its fields, 0 if empty, -errno on error. */
@@ -381,6 +395,29 @@ static int spin(Qp *self, uint64_t timeout, int sends, uint64_t *wr_id, int *sta
     }
 }
 
+/* The next receive completion: the stashed one, else the CQ's within `timeout` ns,
+ * polled with the GIL released (1, 0 if none came, -errno). */
+static int wait_recv(Qp *self, uint64_t timeout, uint64_t *wr_id, int *status,
+                     uint32_t *byte_len)
+{
+    if (self->stashed)
+        return take_recv(self, wr_id, status, byte_len);
+    int rc, sent;
+    Py_BEGIN_ALLOW_THREADS
+    rc = spin(self, timeout, 0, wr_id, status, byte_len, &sent);
+    Py_END_ALLOW_THREADS
+    return rc;
+}
+
+/* Keep a receive completion for the next take_recv (the Python path's, in order). */
+static void stash_recv(Qp *self, uint64_t wr_id, int status, uint32_t byte_len)
+{
+    self->stashed = 1;
+    self->stash_wr_id = wr_id;
+    self->stash_status = status;
+    self->stash_byte_len = byte_len;
+}
+
 /* spin_recv(timeout_ns) -> (slot, status, byte_len) or None: poll the receive CQ, the
  * GIL released, until a completion comes or `timeout_ns` passed. A host waiting for
  * the one COMPLETION it expects takes it the moment it lands, without a trip through
@@ -396,14 +433,7 @@ static PyObject *Qp_spin_recv(Qp *self, PyObject *arg)
     unsigned long long timeout = PyLong_AsUnsignedLongLong(arg);
     if (timeout == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    if (self->stashed) {
-        rc = take_recv(self, &wr_id, &status, &byte_len);
-    } else {
-        int sent;
-        Py_BEGIN_ALLOW_THREADS
-        rc = spin(self, timeout, 0, &wr_id, &status, &byte_len, &sent);
-        Py_END_ALLOW_THREADS
-    }
+    rc = wait_recv(self, timeout, &wr_id, &status, &byte_len);
     if (rc == 0)
         Py_RETURN_NONE;
     if (rc < 0)
@@ -461,25 +491,17 @@ static PyObject *Qp_call(Qp *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (!parse_u64(args[6], &job_id) || !parse_u64(args[7], &timeout))
         return NULL;
-    PyObject *posted = Qp_send_copy(self, args, 6);
-    if (!posted)
+    int rc = copy_and_send(self, args);
+    if (rc < 0)
         return NULL;
-    long rc = PyLong_AsLong(posted);
-    Py_DECREF(posted);
     if (rc) {
-        errno = (int)rc;
+        errno = rc;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     uint64_t slot = 0;
-    int status = 0, sent = 0, got;
+    int status = 0;
     uint32_t n = 0;
-    if (self->stashed) {
-        got = take_recv(self, &slot, &status, &n);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        got = spin(self, timeout, 0, &slot, &status, &n, &sent);
-        Py_END_ALLOW_THREADS
-    }
+    int got = wait_recv(self, timeout, &slot, &status, &n);
     if (got < 0)
         return poll_error(got);
     if (got == 0)
@@ -492,17 +514,10 @@ static PyObject *Qp_call(Qp *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_Clear(); /* undecodable text: the Python path reports it */
     }
     if (!fields) { /* for the Python path, in order */
-        self->stashed = 1;
-        self->stash_wr_id = slot;
-        self->stash_status = status;
-        self->stash_byte_len = n;
+        stash_recv(self, slot, status, n);
         Py_RETURN_NONE;
     }
-    struct ibv_sge sge = {.addr = self->recv_addr + slot * self->recv_slot,
-                          .length = self->recv_slot, .lkey = self->recv_lkey};
-    struct ibv_recv_wr wr = {.wr_id = slot, .sg_list = &sge, .num_sge = 1};
-    struct ibv_recv_wr *bad = NULL;
-    self->recv_errno = ibv_post_recv(self->qp, &wr, &bad);
+    self->recv_errno = repost(self, slot);
     return fields;
 }
 
@@ -670,11 +685,7 @@ static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
         uint64_t job_id = le64(c + 8), dst = le64(c + 40);
         uint32_t rkey = le32(c + 52), deadline_ms = le32(c + 20);
         memcpy(out + 80, c + 80, length);
-        struct ibv_sge rsge = {.addr = (uintptr_t)c, .length = self->recv_slot,
-                               .lkey = self->recv_lkey};
-        struct ibv_recv_wr rwr = {.wr_id = slot, .sg_list = &rsge, .num_sge = 1};
-        struct ibv_recv_wr *rbad = NULL;
-        err = ibv_post_recv(self->qp, &rwr, &rbad);
+        err = repost(self, slot);
         uint64_t end_ns = realtime_ns();
         memset(out, 0, 80);
         out[0] = 'D';
@@ -757,10 +768,7 @@ static PyObject *Qp_wait_any(Qp *self, PyObject *arg)
         self->send_stash_wr_id = wr_id;
         self->send_stash_status = status;
     } else {
-        self->stashed = 1;
-        self->stash_wr_id = wr_id;
-        self->stash_status = status;
-        self->stash_byte_len = byte_len;
+        stash_recv(self, wr_id, status, byte_len);
     }
     Py_RETURN_TRUE;
 }
