@@ -455,11 +455,10 @@ class Session:
             raise
         if got is True or got is False:  # the usual way: the COMPLETION comes on the loop
             self._run_streak = 0
-            future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-            self._pending[job_id] = (future, crc)
+            job = self._track(job_id, request.kind, asyncio.get_running_loop(), crc=crc)
             if got is False:  # the link did not send it
                 self._send((out,))
-            return await Job(job_id, request.kind, future, self._wait_alone)
+            return await job
         self._run_streak += 1
         self._credits.give()
         return Completion.from_fields(got, crc32c_job=crc)
@@ -497,9 +496,15 @@ class Session:
         """A job and its SUBMIT for `request`, whose credit is taken (given back on error)."""
         job_id = next(self._ids)
         out, crc = self._encode(job_id, request)
+        return self._track(job_id, request.kind, loop, crc=crc), out
+
+    def _track(
+        self, job_id: int, kind: JobKind, loop: asyncio.AbstractEventLoop, *, crc: bool
+    ) -> Job:
+        """A capsule job whose COMPLETION the link will deliver (`_on_capsule`)."""
         future: asyncio.Future[Completion] = loop.create_future()
         self._pending[job_id] = (future, crc)
-        return Job(job_id, request.kind, future, self._wait_alone), out
+        return Job(job_id, kind, future, self._wait_alone)
 
     def _encode(self, job_id: int, request: JobRequest) -> tuple[OutCapsule, bool]:
         """The SUBMIT of job `job_id`, and whether its result is a CRC32C.
@@ -670,17 +675,11 @@ class Session:
         self, volume: str, offset: int, source: Target, *, fua: bool = False
     ) -> Job:
         """Queue a write of host memory to a volume at `offset` (block aligned)."""
-        await self.attach(volume)
-        return await self.submit(
-            self.volume_request("volume_write", volume, offset=offset, source=source, fua=fua)
-        )
+        return await self.submit(await self._write_request(volume, offset, source, fua=fua))
 
     async def submit_volume_read(self, volume: str, offset: int, destination: Target) -> Job:
         """Queue a read of a volume at `offset` into host memory (block aligned)."""
-        await self.attach(volume)
-        return await self.submit(
-            self.volume_request("volume_read", volume, offset=offset, destination=destination)
-        )
+        return await self.submit(await self._read_request(volume, offset, destination))
 
     async def submit_volume_flush(self, volume: str) -> Job:
         """Queue a flush: what was written is on stable storage when it completes."""
@@ -698,15 +697,23 @@ class Session:
         self, volume: str, offset: int, source: Target, *, fua: bool = False
     ) -> Completion:
         """Write and wait; raise the matching DpuError if it failed."""
-        await self.attach(volume)
-        request = self.volume_request("volume_write", volume, offset=offset, source=source, fua=fua)
+        request = await self._write_request(volume, offset, source, fua=fua)
         return (await self.run(request)).raise_for_status()
 
     async def read_volume(self, volume: str, offset: int, destination: Target) -> Completion:
         """Read and wait; raise the matching DpuError (DataLossError on a bad CRC)."""
-        await self.attach(volume)
-        request = self.volume_request("volume_read", volume, offset=offset, destination=destination)
+        request = await self._read_request(volume, offset, destination)
         return (await self.run(request)).raise_for_status()
+
+    async def _write_request(
+        self, volume: str, offset: int, source: Target, *, fua: bool
+    ) -> JobRequest:
+        await self.attach(volume)
+        return self.volume_request("volume_write", volume, offset=offset, source=source, fua=fua)
+
+    async def _read_request(self, volume: str, offset: int, destination: Target) -> JobRequest:
+        await self.attach(volume)
+        return self.volume_request("volume_read", volume, offset=offset, destination=destination)
 
     # ------------------------------------------------------------------ compute (fast path)
     async def register_key(self, key: bytes) -> int:

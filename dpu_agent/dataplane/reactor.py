@@ -415,15 +415,12 @@ class Reactor:
         time first. At most `IDLE_WAIT_S`, not past
         the next timer; never with other links, whose events it would keep waiting.
         """
-        if len(self._entries) != 1 or len(self._hot) != 1 or self._inbox or self._touched:
+        if not self._alone() or self._inbox or self._touched:
             return False
-        entry = self._hot[0]
         wait = IDLE_WAIT_S
         if self._timers:
             wait = min(wait, self._timers[0][0] - time.monotonic())
-        if entry.removed or wait <= 0:
-            return False
-        return entry.link.idle_wait(wait)
+        return wait > 0 and self._hot[0].link.idle_wait(wait)
 
     def _dispatch(self, events: list[tuple[int, int]]) -> None:
         entries, touched = self._entries, self._touched

@@ -597,6 +597,10 @@ class _QueuePair:
         """Capsules that can be sent now."""
         return min(self.room(), len(self._free_slots))
 
+    def can_send(self) -> bool:
+        """Whether a SEND can be posted now, taking finished SENDs first if none can."""
+        return bool(self.send_room() or (self.poll_sends(None) and self.send_room()))
+
     @property
     def send_slot(self) -> int:
         """Bytes of each send slot: the longest capsule `post_send` takes."""
@@ -676,14 +680,9 @@ class _QueuePair:
         it or without room for the SEND. Else the COMPLETION's fields if it came (its
         RECV reposted), or None: whatever arrived stays for the next poll.
         """
-        core, free, sq = self._native, self._free_slots, self._sq
-        if core is None or self.error is not None or not self.connected:
+        core, free = self._native, self._free_slots
+        if core is None or self.error is not None or not self.connected or not self.can_send():
             return False
-        depth = self._config.send_depth
-        if not free or len(sq) >= depth:
-            self.poll_sends(None)
-            if not free or len(sq) >= depth:
-                return False
         slot = free.pop()
         wr_id = self._next_wr_id
         self._next_wr_id = wr_id + 1
@@ -698,7 +697,7 @@ class _QueuePair:
         except ValueError:  # the capsule did not fit: nothing was posted
             free.append(slot)
             raise
-        sq.append((wr_id, None, slot))
+        self._sq.append((wr_id, None, slot))
         if fields is not None and core.recv_errno:
             error = TransportError(f"reposting a RECV failed: {os.strerror(core.recv_errno)}")
             self.fail(error, None)
@@ -1457,27 +1456,16 @@ class VerbsHostLink(HostLink):
         qp = self._qp
         if qp.error is not None:
             raise qp.error
-        room = qp.send_room() or (qp.poll_sends(None) and qp.send_room())
-        if len(capsules) == 1 and not self._backlog and room:
-            capsule = capsules[0]  # one capsule and room for it: straight out
-            if isinstance(capsule, tuple):
-                if not self.inline_max:
-                    raise TypeError("this link carries no inline sources (inline_max 0)")
-                qp.post_send(capsule[0], None, capsule[1])
-            else:
-                qp.post_send(capsule, None)
+        if len(capsules) == 1 and not self._backlog and qp.can_send():
+            head, tail = self._parts(capsules[0])  # one capsule and room for it: straight out
+            qp.post_send(head, None, tail)
             self._kick()
             return
         out: list[tuple[bytes, memoryview | None]] = []
         limit = qp.send_slot
         for capsule in capsules:
-            if isinstance(capsule, tuple):
-                if not self.inline_max:
-                    raise TypeError("this link carries no inline sources (inline_max 0)")
-                item: tuple[bytes, memoryview | None] = capsule
-                size = len(capsule[0]) + capsule[1].nbytes
-            else:
-                item, size = (capsule, None), len(capsule)
+            item = self._parts(capsule)
+            size = len(item[0]) + (item[1].nbytes if item[1] is not None else 0)
             if size > limit:
                 raise ValueError(f"capsule of {size} bytes exceeds {limit}")
             out.append(item)
@@ -1485,10 +1473,21 @@ class VerbsHostLink(HostLink):
         self._send_backlog()
         self._kick()
 
+    def _parts(self, capsule: OutCapsule) -> tuple[bytes, memoryview | None]:
+        """A capsule's SUBMIT and its inline source (None without one).
+
+        TypeError for a source this link was not set up to carry (`accept_inline`).
+        """
+        if not isinstance(capsule, tuple):
+            return capsule, None
+        if not self.inline_max:
+            raise TypeError("this link carries no inline sources (inline_max 0)")
+        return capsule
+
     def _send_backlog(self) -> None:
         qp, backlog = self._qp, self._backlog
         while backlog and qp.error is None:
-            if qp.send_room() == 0 and (qp.poll_sends(None) == 0 or qp.send_room() == 0):
+            if not qp.can_send():
                 return  # the rest goes once SENDs complete (polled in _step)
             capsule, tail = backlog.popleft()
             qp.post_send(capsule, None, tail)
@@ -1531,12 +1530,8 @@ class VerbsHostLink(HostLink):
         """
         if self._closed or self._loop is None or self._backlog:
             return False
-        if isinstance(capsule, tuple):
-            if not self.inline_max:
-                raise TypeError("this link carries no inline sources (inline_max 0)")
-            fields = self._qp.call(capsule[0], capsule[1], job_id, self._spin)
-        else:
-            fields = self._qp.call(capsule, None, job_id, self._spin)
+        head, tail = self._parts(capsule)
+        fields = self._qp.call(head, tail, job_id, self._spin)
         if fields is None:
             self._kick()  # the answer comes the usual way
             return True
