@@ -1351,6 +1351,12 @@ class VerbsHostLink(HostLink):
     loop iteration (`loop.call_soon`) for up to `spin` seconds after the last activity;
     then it arms the receive CQ's event and waits on the completion channel.
 
+    The spin adapts to the answers' rhythm: once a spin has run out with nothing, the
+    link sleeps at once, until a sleep ends within `spin` (the answers come quickly
+    again). With many jobs whose answers come further apart than `spin`, spinning only
+    takes CPU from the work being waited for (`Session.run`'s call of a job alone
+    always spins: its answer is one round trip away).
+
     Args:
         device: RDMA device name; None: the first with a usable port (`find_port`).
         port: port number; None: the first ACTIVE one.
@@ -1379,6 +1385,8 @@ class VerbsHostLink(HostLink):
             _config(device, port, gid_index, depth, send_depth, recv_depth, access)
         )
         self._spin = spin
+        self._spinning = spin  # spin, or 0 while spins run out (the class's docstring)
+        self._armed = 0.0  # when the link last armed and slept
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_capsule: Callable[[memoryview], None] | None = None
         self._on_failure: Callable[[TransportError], None] | None = None
@@ -1512,13 +1520,17 @@ class VerbsHostLink(HostLink):
         if self._report():
             return
         busy = self._expecting() or qp.outstanding
-        if self._backlog or (busy and time.monotonic() - self._last < self._spin):
+        now = time.monotonic()
+        if self._backlog or (busy and now - self._last < self._spinning):
             self._polling = True
             assert self._loop is not None  # noqa: S101 - set by start()
             self._loop.call_soon(self._step)
         elif not qp.arm(self):
             self._kick()  # a capsule arrived while arming: it was handed over; go on
         else:
+            if busy and self._spinning:
+                self._spinning = 0.0  # spun for `spin` with answers due, and none came
+            self._armed = now
             self._report()
 
     def call(self, capsule: OutCapsule, job_id: int) -> CompletionFields | bool:
@@ -1541,6 +1553,8 @@ class VerbsHostLink(HostLink):
 
     def _on_channel(self) -> None:
         self._qp.take_events()
+        if time.monotonic() - self._armed < self._spin:
+            self._spinning = self._spin  # a short sleep: the answers come quickly again
         self._kick()
 
     def wait(self) -> None:
@@ -1552,12 +1566,14 @@ class VerbsHostLink(HostLink):
         """
         if self._closed or self._loop is None or not self._qp.native:
             return
-        if self._waits >= WAIT_TURNS:
+        if self._waits >= WAIT_TURNS or not self._spinning:
             return
         self._waits += 1
-        if self._qp.spin_recv(self, self._spin):  # send completions: at the next send
+        if self._qp.spin_recv(self, self._spinning):  # send completions: at the next send
             self._last = time.monotonic()
             self._report()
+        else:
+            self._spinning = 0.0  # the spin ran out: sleep until answers come quickly
 
     def on_capsule(self, data: memoryview) -> None:
         """LinkSink: a capsule arrived."""

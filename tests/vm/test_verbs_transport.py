@@ -475,3 +475,41 @@ async def test_send_slots_grow_only_while_no_send_is_in_flight(inline_pair):
     with pytest.raises(TransportError, match="in flight"):
         host.link.accept_inline(INLINE_MAX)
     assert await bounded(agent.recv()) == b"first"
+
+
+async def test_the_hosts_spin_stops_while_answers_come_later_than_it(rdma_port, host_port):
+    # A spin that runs out with nothing means the answers come further apart than `spin`:
+    # the host's link then sleeps at once, and spins again only after a sleep that
+    # ended within `spin`. (Spinning for answers that are not near only takes the CPU
+    # from the work being waited for.) Counted by the core's spins, never by time.
+    spin = 0.5
+    async with _linked(rdma_port, host_port, spin) as (host, agent):
+        link = host.link
+        spins = []
+        spin_recv = link._qp.spin_recv
+
+        def counted(sink, timeout):
+            spins.append(spin_recv(sink, timeout))
+            return spins[-1]
+
+        link._qp.spin_recv = counted
+        host.expecting = True
+
+        async def answer(capsule, after):
+            host.send(capsule)  # the link arms and sleeps right after this send
+            assert await bounded(agent.recv()) == capsule
+            await asyncio.sleep(after)
+            await agent.send(capsule)
+            assert await bounded(host.capsules.get()) == capsule
+
+        await answer(b"soon", 0.0)
+        link.wait()  # nothing is due: the spin runs out
+        assert spins == [0]
+        link.wait()
+        assert spins == [0], "spun again after a spin that ran out"
+        await answer(b"late", 1.5 * spin)  # a long sleep: still no spin
+        link.wait()
+        assert spins == [0], "spun after a sleep longer than the spin"
+        await answer(b"soon again", 0.0)  # a short sleep: the spin is back
+        link.wait()
+        assert spins == [0, 0]
