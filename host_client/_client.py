@@ -525,9 +525,9 @@ class Client:
         is the OpenSession call's id (and idempotency key); the completion events of
         the session's capsule jobs carry it (`Session.request_id`). `poll_spin`
         (verbs): seconds the session keeps polling for completions after the last
-        activity before it sleeps on the completion channel (0: never poll); once a
-        spin has run out with nothing, it sleeps at once until answers come within
-        `poll_spin` of a sleep again (a job run alone always spins). `inline`:
+        activity before it sleeps on the completion channel (0: never poll), while
+        answers have come, on average, within `poll_spin` of the send or answer before
+        them (a job run alone always spins). `inline`:
         send a job's source inside its SUBMIT when the agent offers it and the source
         fits (`Session.inline_max`; tcp), instead of leaving it for the agent to READ.
         """

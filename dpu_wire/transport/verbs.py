@@ -132,6 +132,8 @@ HOP_LIMIT: Final = 64  # RoCEv2 may cross routers
 RECV_BATCH: Final = 16  # RECV completions taken per poll of the receive CQ
 DEFAULT_SPIN_S: Final = 0.002  # how long a host link polls after the last activity
 WAIT_TURNS: Final = 32  # `HostLink.wait` spins in a row before the event loop must turn
+GAP_WEIGHT: Final = 0.25  # a new wait's weight in the host's average wait for an answer
+GAP_CAP: Final = 4  # a wait counts for at most this many spins in that average
 
 _EVENT_FD_LINK: Final = "anon_inode:[infinibandevent]"
 _MTU_BYTES: Final = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # enum ibv_mtu -> bytes
@@ -1351,11 +1353,12 @@ class VerbsHostLink(HostLink):
     loop iteration (`loop.call_soon`) for up to `spin` seconds after the last activity;
     then it arms the receive CQ's event and waits on the completion channel.
 
-    The spin adapts to the answers' rhythm: once a spin has run out with nothing, the
-    link sleeps at once, until a sleep ends within `spin` (the answers come quickly
-    again). With many jobs whose answers come further apart than `spin`, spinning only
-    takes CPU from the work being waited for (`Session.run`'s call of a job alone
-    always spins: its answer is one round trip away).
+    The spin follows the answers' rhythm: the link spins only while an answer has come,
+    on average, within `spin` of the send or answer before it (a moving average of the
+    last few, `GAP_WEIGHT`). Answers further apart than `spin` would find every spin
+    run out, and on a machine whose cores also run the agent or the NIC the spinning
+    takes CPU from the work being waited for. `Session.run`'s call of a job alone
+    always spins: its answer is one round trip away.
 
     Args:
         device: RDMA device name; None: the first with a usable port (`find_port`).
@@ -1385,8 +1388,8 @@ class VerbsHostLink(HostLink):
             _config(device, port, gid_index, depth, send_depth, recv_depth, access)
         )
         self._spin = spin
-        self._spinning = spin  # spin, or 0 while spins run out (the class's docstring)
-        self._armed = 0.0  # when the link last armed and slept
+        self._gap = 0.0  # the moving average of the waits for an answer (s)
+        self._since = 0.0  # the last send or answer: the wait for the next one starts
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_capsule: Callable[[memoryview], None] | None = None
         self._on_failure: Callable[[TransportError], None] | None = None
@@ -1467,7 +1470,7 @@ class VerbsHostLink(HostLink):
         if len(capsules) == 1 and not self._backlog and qp.can_send():
             head, tail = self._parts(capsules[0])  # one capsule and room for it: straight out
             qp.post_send(head, None, tail)
-            self._kick()
+            self._kick(sent=True)
             return
         out: list[tuple[bytes, memoryview | None]] = []
         limit = qp.send_slot
@@ -1479,7 +1482,7 @@ class VerbsHostLink(HostLink):
             out.append(item)
         self._backlog.extend(out)
         self._send_backlog()
-        self._kick()
+        self._kick(sent=True)
 
     def _parts(self, capsule: OutCapsule) -> tuple[bytes, memoryview | None]:
         """A capsule's SUBMIT and its inline source (None without one).
@@ -1500,8 +1503,10 @@ class VerbsHostLink(HostLink):
             capsule, tail = backlog.popleft()
             qp.post_send(capsule, None, tail)
 
-    def _kick(self) -> None:
+    def _kick(self, *, sent: bool = False) -> None:
         self._last = time.monotonic()
+        if sent:
+            self._since = self._last
         if not self._polling and self._loop is not None and not self._closed:
             self._polling = True
             self._loop.call_soon(self._step)
@@ -1521,16 +1526,13 @@ class VerbsHostLink(HostLink):
             return
         busy = self._expecting() or qp.outstanding
         now = time.monotonic()
-        if self._backlog or (busy and now - self._last < self._spinning):
+        if self._backlog or (busy and now - self._last < self._spin and self._spins()):
             self._polling = True
             assert self._loop is not None  # noqa: S101 - set by start()
             self._loop.call_soon(self._step)
         elif not qp.arm(self):
             self._kick()  # a capsule arrived while arming: it was handed over; go on
         else:
-            if busy and self._spinning:
-                self._spinning = 0.0  # spun for `spin` with answers due, and none came
-            self._armed = now
             self._report()
 
     def call(self, capsule: OutCapsule, job_id: int) -> CompletionFields | bool:
@@ -1545,7 +1547,7 @@ class VerbsHostLink(HostLink):
         head, tail = self._parts(capsule)
         fields = self._qp.call(head, tail, job_id, self._spin)
         if fields is None:
-            self._kick()  # the answer comes the usual way
+            self._kick(sent=True)  # the answer comes the usual way
             return True
         if fields is not False and self._qp.error is not None:  # a RECV not reposted
             self._report()
@@ -1553,9 +1555,11 @@ class VerbsHostLink(HostLink):
 
     def _on_channel(self) -> None:
         self._qp.take_events()
-        if time.monotonic() - self._armed < self._spin:
-            self._spinning = self._spin  # a short sleep: the answers come quickly again
         self._kick()
+
+    def _spins(self) -> bool:
+        """Whether answers come close enough together to spin for the next one."""
+        return self._gap < self._spin
 
     def wait(self) -> None:
         """Spin up to `spin` s for the next capsule with the native core (HostLink.wait).
@@ -1566,17 +1570,19 @@ class VerbsHostLink(HostLink):
         """
         if self._closed or self._loop is None or not self._qp.native:
             return
-        if self._waits >= WAIT_TURNS or not self._spinning:
+        if self._waits >= WAIT_TURNS or not self._spins():
             return
         self._waits += 1
-        if self._qp.spin_recv(self, self._spinning):  # send completions: at the next send
+        if self._qp.spin_recv(self, self._spin):  # send completions: at the next send
             self._last = time.monotonic()
             self._report()
-        else:
-            self._spinning = 0.0  # the spin ran out: sleep until answers come quickly
 
     def on_capsule(self, data: memoryview) -> None:
         """LinkSink: a capsule arrived."""
+        now = time.monotonic()
+        wait = min(now - self._since, GAP_CAP * self._spin)
+        self._gap += (wait - self._gap) * GAP_WEIGHT
+        self._since = now
         if self._on_capsule is not None:
             self._on_capsule(data)
 
