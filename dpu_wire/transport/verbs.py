@@ -1525,8 +1525,7 @@ class VerbsHostLink(HostLink):
         if self._report():
             return
         busy = self._expecting() or qp.outstanding
-        now = time.monotonic()
-        if self._backlog or (busy and now - self._last < self._spin and self._spins()):
+        if self._backlog or (busy and self._spins() and time.monotonic() - self._last < self._spin):
             self._polling = True
             assert self._loop is not None  # noqa: S101 - set by start()
             self._loop.call_soon(self._step)
