@@ -159,6 +159,8 @@ async def test_rpc_submit_is_idempotent_on_request_id(agent):
     [
         ({"transport": "carrier-pigeon"}, host_client.InvalidArgumentError),
         ({"queue_depth": 0}, host_client.InvalidArgumentError),
+        ({"transport": "tcp", "poll_spin": -0.001}, host_client.InvalidArgumentError),
+        ({"transport": "tcp", "poll_spin": 1.001}, host_client.InvalidArgumentError),
         ({"transport": "verbs"}, host_client.FailedPreconditionError),
     ],
 )
