@@ -523,6 +523,7 @@ async def origin_filter(ctx: Ctx) -> None:
     rpc_job = int((await session.submit_rpc(spec)).job_id)
     await asyncio.sleep(0.3)
     late = session.watch(job_pb2.JOB_ORIGIN_CAPSULE, include_retained=True)
+    await late.initial_metadata()  # it is watching before the session closes
     await session.close()
     seen = {o: await asyncio.wait_for(_drain(c), 10) for o, c in watchers.items()}
     assert [m.job_id for m in seen[job_pb2.JOB_ORIGIN_RPC][0]] == [rpc_job]
