@@ -60,7 +60,14 @@ from dpu_agent.errors import (
 from dpu_wire import capsule
 from dpu_wire.capsule import CapsuleError, Opcode, Span, State
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
-from dpu_wire.transport.base import FastJob, LinkSink, TransportError, max_waiting
+from dpu_wire.transport.base import (
+    CoreDone,
+    CoreJob,
+    FastJob,
+    LinkSink,
+    TransportError,
+    max_waiting,
+)
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -75,6 +82,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWEEP_S: Final = 0.1  # how often deadlines of waiting jobs are checked
+LATE: Final = "job deadline exceeded"  # the message of a job that ends past its deadline
 CLOSE_DRAIN_S: Final = 0.5  # how long a closing session waits for its last SENDs
 MAX_WAITING: Final = 4096  # SubmitJob requests waiting for a slot, per session
 
@@ -258,11 +266,12 @@ class Pipeline(LinkSink):
         self.failed = False
         self.closed = False
         self.counters = Counters()
-        # The link's fast path (`AgentLink.fast_regions`): it runs inline COPY jobs
-        # itself while this session has no job open; the regions it may WRITE are
-        # pushed again whenever the table changed (`fast_allowed`).
+        # The link's fast path (`AgentLink.fast_regions`): it runs COPY jobs itself
+        # while every job this session holds open is one it started; the regions are
+        # pushed again whenever the table changed (`fast_room`).
         self._fast = link.fast_regions([], self)
         self._fast_version = -1
+        self._core: set[int] = set()  # open jobs the link started (`on_core_jobs`)
         if self._fast:
             regions.on_withdraw = self._push_regions
 
@@ -290,37 +299,39 @@ class Pipeline(LinkSink):
         if error is not None:
             self.fail(error)
 
-    def fast_allowed(self) -> bool:
-        """FastSink: whether the link may run jobs itself (nothing of ours is in flight).
+    def fast_room(self) -> int:
+        """FastSink: how many jobs the link may start itself (0 while ours are in flight).
 
-        Then no job is open (no job id in use, every queue slot free), no COMPLETION
-        waits for the link and no store write for the pass, the session is ACTIVE and
-        the agent not draining: the checks the link does not make itself.
+        The queue slots free, when every open job is one the link started (the link
+        knows their ids), no SubmitJob waits for a slot, no COMPLETION waits for the
+        link and no store write for the pass, the session is ACTIVE and the agent not
+        draining: the checks the link does not make itself.
         """
         if (
-            self.open
+            len(self.open) != len(self._core)
+            or self._waiting
             or self._backlog
             or self._writes
             or self.failed
             or self.closed
             or not self._hooks.ready()
         ):
-            return False
+            return 0
         if self.regions.version != self._fast_version:
             self._push_regions()
-        return True
+        return self.queue_depth - len(self.open)
 
     def _push_regions(self) -> None:
-        """Give the link's fast path the regions it may WRITE as they are now.
+        """Give the link's fast path the regions as they are now.
 
-        After every change, at the latest at the next poll (`fast_allowed`); after a
+        After every change, at the latest at the next poll (`fast_room`); after a
         withdrawal at once, on the control plane's thread (`RegionTable.on_withdraw`),
         under the GIL the link's core holds while it serves: a SUBMIT the host sends
         once WithdrawRegion answered never finds the region in the core's list.
         """
         regions = self.regions
         self._fast_version = regions.version
-        self.link.fast_regions(regions.writable(), self)
+        self.link.fast_regions(regions.fast_list(), self)
 
     def on_fast_jobs(self, jobs: list[FastJob], failed: bool) -> None:  # noqa: FBT001 - FastSink's shape
         """FastSink: record the inline COPY jobs the link ran and answered itself.
@@ -361,6 +372,62 @@ class Pipeline(LinkSink):
             c.jobs_completed -= 1
             c.jobs_native -= 1
             c.jobs_failed += 1
+
+    def on_core_jobs(self, jobs: list[CoreJob]) -> None:
+        """FastSink: hold open the COPY jobs the link started by READing their source.
+
+        Each is the JobRecord admission would have made, RUNNING: CANCEL, its deadline
+        and the session's end find it as any open job (`_end` tells the link).
+        """
+        now = time.monotonic()
+        default = self.default_deadline
+        request_id = self._open_request_id
+        opened, core = self.open, self._core
+        for job_id, length, src, src_rkey, dst, dst_rkey, deadline_ms, submit_ns, start_ns in jobs:
+            job = JobRecord(
+                job_id,
+                JobKind.COPY,
+                Span(src, length, src_rkey),
+                Span(dst, length, dst_rkey),
+                Origin.CAPSULE,
+                now + (deadline_ms / 1000 if deadline_ms else default),
+                rpc_request_id=request_id,
+                submit_ns=submit_ns,
+            )
+            job.state, job.start_ns = JobState.RUNNING, start_ns
+            opened[job_id] = job
+            core.add(job_id)
+        self.counters.jobs_submitted += len(jobs)
+        if self._sweeper is None:
+            self._arm_sweeper()  # their deadlines hold while the READ is out
+
+    def on_core_done(self, done: list[CoreDone]) -> None:
+        """FastSink: the link answered these jobs of its own (their COMPLETION is posted).
+
+        Each ends as the pipeline would have ended it: SUCCEEDED, or FAILED with
+        DEADLINE_EXCEEDED if its deadline had passed when its READ came in.
+        """
+        opened, core, c = self.open, self._core, self.counters
+        for job_id, end_ns, late in done:
+            job = opened.pop(job_id)
+            core.discard(job_id)
+            length = job.source.length
+            job.bytes_read = length
+            if late:
+                job.finish(State.FAILED, status.DEADLINE_EXCEEDED, LATE)
+                job.end_ns = end_ns
+                c.jobs_failed += 1
+            else:
+                job.bytes_written = length
+                job.finish_at(job.start_ns, end_ns)
+                c.jobs_completed += 1
+                c.jobs_native += 1
+                c.bytes_written += length
+            c.bytes_read += length
+            self._retain(job)
+            self._finished.append(job)
+        if self._waiting and len(opened) < self.queue_depth:
+            self._serve_waiting()
 
     # ------------------------------------------------------------ AdmissionContext
 
@@ -625,7 +692,7 @@ class Pipeline(LinkSink):
 
     def _end_late(self, job: JobRecord, run: _Run | None) -> None:
         """End a job whose deadline passed (each place that checks it calls this)."""
-        self._end(job, run, State.FAILED, status.DEADLINE_EXCEEDED, "job deadline exceeded")
+        self._end(job, run, State.FAILED, status.DEADLINE_EXCEEDED, LATE)
 
     def _end_raised(self, job: JobRecord, run: _Run | None, exc: Exception) -> None:
         """End a job whose step raised `exc`: its domain status, or INTERNAL for a bug."""
@@ -842,6 +909,8 @@ class Pipeline(LinkSink):
 
     def _end(self, job: JobRecord, run: _Run | None, state: State, code: int, message: str) -> None:
         """Finish a job: free its slot, send its COMPLETION, queue it for publishing."""
+        if job.job_id in self._core and not self._core_ended(job):
+            return
         if not job.finish(state, code, message):
             return
         self.open.pop(job.job_id, None)
@@ -863,6 +932,17 @@ class Pipeline(LinkSink):
             self._send(job.encode_completion(), token)
         if self._waiting and len(self.open) < self.queue_depth:
             self._serve_waiting()
+
+    def _core_ended(self, job: JobRecord) -> bool:
+        """Whether a job the link started is ours to end now (else the link answered it).
+
+        If the link had answered it, `core_cancel` has just reported that
+        (`on_core_done`), and the job ended as the link says.
+        """
+        if not self.link.core_cancel(job.job_id) and job.done:
+            return False
+        self._core.discard(job.job_id)
+        return True
 
     def _end_run(self, run: _Run) -> int | None:
         """Stop an ended job's run; the token of the SEND to release its buffers after.

@@ -18,13 +18,13 @@ from dpu_agent.errors import (
     ResourceExhausted,
 )
 from dpu_wire.capsule import U32_MAX, U64_MAX, Span
-from dpu_wire.transport.base import Access
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from dpu_wire.transport.base import Access, FastRegion
+
 MAX_REGIONS_PER_SESSION: Final = 1024
-_WRITE: Final = Access.REMOTE_WRITE.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +106,9 @@ class RegionTable:
         """Every region, in advertisement order."""
         return list(self._by_id.values())
 
-    def writable(self) -> list[tuple[int, int, int]]:
-        """(addr, length, rkey) of every region that grants REMOTE_WRITE."""
-        return [(r.addr, r.length, r.rkey) for r in self._by_id.values() if r.access.value & _WRITE]
+    def fast_list(self) -> list[FastRegion]:
+        """(addr, length, rkey, access) of every region, for a link's fast path."""
+        return [(r.addr, r.length, r.rkey, r.access.value) for r in self._by_id.values()]
 
     def check_span(self, span: Span, need: Access, what: str) -> AdvertisedRegion:
         """The region `span` lies in, if it grants `need`; else a domain error saying why."""

@@ -16,6 +16,13 @@
  * ends the batch by itself when the queue is empty, and an end_poll after that skips a
  * slot for ever (the soft-RoCE notes); so this module never calls next_poll.
  *
+ * The agent's fast path (serve, poll_send) runs COPY jobs the pipeline would run the
+ * same way: an inline one to its end at once; one it READs from the host in two steps,
+ * the READ posted when the SUBMIT is taken and the WRITE and COMPLETION when poll_send
+ * takes the READ's completion. Python holds the second kind open meanwhile (CANCEL,
+ * deadlines, ids in use are the pipeline's), and tells the core when it ends one
+ * (core_cancel).
+ *
  * The spin waits release the GIL, so other threads (gRPC, the storage workers) run
  * while a side waits for its peer; posts keep it (see do_post). Not thread-safe: one
  * owner thread calls a Qp, as with the pyverbs objects it replaces.
@@ -31,12 +38,38 @@
 #include <string.h>
 #include <time.h>
 
-/* A host region a fast job may WRITE into: [addr, last], rkey (REMOTE_WRITE granted). */
+/* A host region of the session: [addr, last], rkey, and what it grants the agent. */
+#define REGION_READ 1u  /* REMOTE_READ: a job may READ its source here */
+#define REGION_WRITE 2u /* REMOTE_WRITE: a job may WRITE its output here */
 typedef struct {
     uint64_t addr;
     uint64_t last;
     uint32_t rkey;
+    uint32_t access;
 } FastRegion;
+
+/* A READ-path COPY the core runs (serve, poll_send), one per READ ring slot: READING
+ * while its READ is out, DROPPED once the pipeline ended it while the READ was out (the
+ * slot stays taken until the READ completed, DP-2.6-5), SENDING once its WRITE and
+ * COMPLETION are posted (the slot is free again when the SEND completed). */
+enum { CORE_FREE, CORE_READING, CORE_DROPPED, CORE_SENDING };
+typedef struct {
+    uint64_t job_id;
+    uint64_t dst;
+    uint64_t submit_ns;   /* CLOCK_REALTIME, as the COMPLETION carries them */
+    uint64_t start_ns;
+    uint64_t deadline_ns; /* CLOCK_MONOTONIC */
+    uint32_t length;
+    uint32_t dst_rkey;
+    int state;
+} CoreJob;
+
+/* The wr_ids of the core's READ-path jobs: CORE_WR | slot << 2 | op. The pipeline's
+ * wr_ids count up from 1 and never reach bit 62. */
+#define CORE_WR (UINT64_C(1) << 62)
+enum { CORE_OP_READ = 0, CORE_OP_WRITE = 1, CORE_OP_SEND = 2 };
+#define CORE_DATA 128 /* a READ slot: the job's COMPLETION, then its data from here */
+#define CORE_WRS 2    /* send-queue entries a READ-path job holds: READ, then WRITE + SEND */
 
 typedef struct {
     PyObject_HEAD
@@ -71,6 +104,20 @@ typedef struct {
     int send_stash_status;
     /* call(): the errno of the last RECV repost it made (0: it succeeded). */
     int recv_errno;
+    /* The READ path (read_setup): a ring of read_slots slots of read_slot bytes, a
+     * CoreJob each; jobs of up to read_max bytes. */
+    uint64_t read_addr;
+    uint32_t read_lkey;
+    uint32_t read_slot;
+    uint32_t read_slots;
+    uint32_t read_max;
+    uint64_t default_deadline_ns;
+    CoreJob *core;
+    unsigned int core_busy; /* slots not FREE */
+    unsigned int core_open; /* READING: jobs the pipeline holds open */
+    unsigned int core_wrs;  /* send-queue entries the busy slots hold (CORE_WRS each) */
+    PyObject *core_done;    /* [(job_id, end_ns, late)]: COMPLETIONs posted, for take_done() */
+    unsigned int core_answered; /* the length of core_done */
 } Qp;
 
 static int qp_live(Qp *self)
@@ -318,32 +365,51 @@ static PyObject *poll_error(int rc)
     return PyErr_SetFromErrno(PyExc_OSError);
 }
 
-/* poll_send() -> (wr_id, status) or None. */
+static int core_completion(Qp *self, uint64_t wr_id);
+
+/* poll_send() -> (wr_id, status) or None: the next send-queue completion of the
+ * pipeline's. The READ path's own (CORE_WR) are handled here (core_completion), up to 64
+ * of them per call, and reported only when they failed: status, or minus the errno of a
+ * post that failed. */
 static PyObject *Qp_poll_send(Qp *self, PyObject *unused)
 {
-    uint64_t wr_id = 0;
-    int status = 0;
     if (!qp_live(self))
         return NULL;
-    int rc = 1;
-    if (self->send_stashed) {
-        self->send_stashed = 0;
-        wr_id = self->send_stash_wr_id;
-        status = self->send_stash_status;
-    } else {
-        rc = take_one(self->send_cq, &wr_id, &status, NULL);
+    for (int turn = 0; turn < 64; turn++) {
+        uint64_t wr_id = 0;
+        int status = 0;
+        int rc = 1;
+        if (self->send_stashed) {
+            self->send_stashed = 0;
+            wr_id = self->send_stash_wr_id;
+            status = self->send_stash_status;
+        } else {
+            rc = take_one(self->send_cq, &wr_id, &status, NULL);
+        }
+        if (rc == 0)
+            Py_RETURN_NONE;
+        if (rc < 0)
+            return poll_error(rc);
+        if (wr_id & CORE_WR) {
+            if (status == IBV_WC_SUCCESS) {
+                int err = core_completion(self, wr_id);
+                if (err < 0)
+                    return NULL;
+                if (!err)
+                    continue;
+                status = -err;
+            }
+            return Py_BuildValue("(Ki)", (unsigned long long)wr_id, status);
+        }
+        /* RC completes the send queue in order: every fast slot whose SEND is at or
+         * before this completion is free again. */
+        while (self->fast_used && self->fast_send_id[self->fast_head] <= wr_id) {
+            self->fast_head = (self->fast_head + 1) % self->fast_slots;
+            self->fast_used--;
+        }
+        return Py_BuildValue("(Ki)", (unsigned long long)wr_id, status);
     }
-    if (rc == 0)
-        Py_RETURN_NONE;
-    if (rc < 0)
-        return poll_error(rc);
-    /* RC completes the send queue in order: every fast slot whose SEND is at or
-     * before this completion is free again. */
-    while (self->fast_used && self->fast_send_id[self->fast_head] <= wr_id) {
-        self->fast_head = (self->fast_head + 1) % self->fast_slots;
-        self->fast_used--;
-    }
-    return Py_BuildValue("(Ki)", (unsigned long long)wr_id, status);
+    Py_RETURN_NONE;
 }
 
 /* poll_recv() -> (slot, status, byte_len) or None. */
@@ -549,11 +615,11 @@ static PyObject *Qp_fast_setup(Qp *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* set_regions([(addr, length, rkey), ...]): the regions fast jobs may WRITE into
- * (the session's regions that grant REMOTE_WRITE), replacing the last list. */
+/* set_regions([(addr, length, rkey, access), ...]): the session's regions, with what
+ * each grants (REGION_READ | REGION_WRITE), replacing the last list. */
 static PyObject *Qp_set_regions(Qp *self, PyObject *arg)
 {
-    PyObject *seq = PySequence_Fast(arg, "set_regions takes a list of (addr, length, rkey)");
+    PyObject *seq = PySequence_Fast(arg, "set_regions takes a list of (addr, length, rkey, access)");
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -564,14 +630,16 @@ static PyObject *Qp_set_regions(Qp *self, PyObject *arg)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long addr, length;
-        unsigned int rkey;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKI", &addr, &length, &rkey))
+        unsigned int rkey, access;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKII", &addr, &length, &rkey,
+                              &access))
             goto fail;
         if (!length || addr + (length - 1) < addr) {
             PyErr_SetString(PyExc_ValueError, "a region is empty or wraps past 2**64");
             goto fail;
         }
-        regions[i] = (FastRegion){.addr = addr, .last = addr + (length - 1), .rkey = rkey};
+        regions[i] = (FastRegion){.addr = addr, .last = addr + (length - 1), .rkey = rkey,
+                                  .access = access};
     }
     Py_DECREF(seq);
     PyMem_Free(self->regions);
@@ -595,6 +663,31 @@ static uint64_t realtime_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* The region `rkey` names if [addr, addr + length) lies in it and it grants `access`. */
+static const FastRegion *find_region(Qp *self, uint32_t rkey, uint64_t addr, uint32_t length,
+                                     uint32_t access)
+{
+    if (addr > UINT64_MAX - (length - 1))
+        return NULL;
+    for (Py_ssize_t i = 0; i < self->n_regions; i++) {
+        const FastRegion *r = &self->regions[i];
+        if (r->rkey == rkey)
+            return (r->access & access) && addr >= r->addr && addr + (length - 1) <= r->last
+                       ? r
+                       : NULL;
+    }
+    return NULL;
+}
+
+/* Whether `job_id` is a READ-path job the pipeline holds open (its id is in use). */
+static int core_has(Qp *self, uint64_t job_id)
+{
+    for (uint32_t i = 0; i < self->read_slots; i++)
+        if (self->core[i].state == CORE_READING && self->core[i].job_id == job_id)
+            return 1;
+    return 0;
+}
+
 /* Whether a received SUBMIT of `n` bytes is an inline COPY the fast path runs: every
  * check of docs/data-plane.md 2.5 it would pass in the pipeline, passed here. Anything
  * else (another kind or flag, a field set, a region not found, a span outside it) is
@@ -612,49 +705,256 @@ static const FastRegion *fast_copy(Qp *self, const uint8_t *c, uint32_t n)
     for (int i = 56; i < 80; i++) /* offset, handle, reserved, length: all 0 for COPY */
         if (c[i])
             return NULL;
-    uint64_t dst = le64(c + 40);
-    if (le32(c + 48) != src_len || dst > UINT64_MAX - (src_len - 1))
+    if (le32(c + 48) != src_len || core_has(self, job_id))
         return NULL;
-    uint32_t rkey = le32(c + 52);
-    for (Py_ssize_t i = 0; i < self->n_regions; i++) {
-        const FastRegion *r = &self->regions[i];
-        if (r->rkey == rkey)
-            return dst >= r->addr && dst + (src_len - 1) <= r->last ? r : NULL;
-    }
-    return NULL;
+    return find_region(self, le32(c + 52), le64(c + 40), src_len, REGION_WRITE);
 }
 
-/* serve(budget, next_wr_id, room) -> (next_wr_id, jobs, pending, errno)
+/* Whether a received SUBMIT of `n` bytes is a COPY the READ path runs: as fast_copy
+ * says for an inline one, with the source READ from a region that grants REMOTE_READ,
+ * of at most read_max bytes. */
+static int core_copy(Qp *self, const uint8_t *c, uint32_t n)
+{
+    if (!self->read_slots || n != 80 || c[0] != 'D' || c[1] != 'C' || c[2] != 1 || c[3] != 1 ||
+        le32(c + 4) != 80)
+        return 0;
+    uint64_t job_id = le64(c + 8);
+    uint32_t length = le32(c + 32);
+    if (job_id >> 63 || le16(c + 16) != 1 /* COPY */ || le16(c + 18) != 0 /* no flag */ ||
+        length == 0 || length > self->read_max || le32(c + 48) != length)
+        return 0;
+    for (int i = 56; i < 80; i++) /* offset, handle, reserved, length: all 0 for COPY */
+        if (c[i])
+            return 0;
+    return find_region(self, le32(c + 36), le64(c + 24), length, REGION_READ) &&
+           find_region(self, le32(c + 52), le64(c + 40), length, REGION_WRITE) &&
+           !core_has(self, job_id);
+}
+
+static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+static const char LATE[] = "job deadline exceeded"; /* the pipeline's words for it */
+
+/* Write a COMPLETION (docs/data-plane.md 2.4) at `out`; its length. */
+static uint32_t put_completion(uint8_t *out, uint64_t job_id, uint8_t state, uint16_t status,
+                               uint64_t bytes_read, uint64_t bytes_written, uint64_t submit_ns,
+                               uint64_t start_ns, uint64_t end_ns, const char *message)
+{
+    uint32_t msg_len = message ? (uint32_t)strlen(message) : 0;
+    memset(out, 0, 80);
+    out[0] = 'D';
+    out[1] = 'C';
+    out[2] = 1;
+    out[3] = 3; /* COMPLETION */
+    put32(out + 4, 80 + msg_len);
+    put64(out + 8, job_id);
+    put16(out + 16, status);
+    out[18] = state;
+    put16(out + 20, (uint16_t)msg_len);
+    put64(out + 24, bytes_read);
+    put64(out + 32, bytes_written);
+    put64(out + 48, submit_ns);
+    put64(out + 56, start_ns);
+    put64(out + 64, end_ns);
+    if (msg_len)
+        memcpy(out + 80, message, msg_len);
+    return 80 + msg_len;
+}
+
+/* read_setup(addr, lkey, slot_bytes, slots, max_bytes, default_deadline_ms): the ring the
+ * READ path uses, `slots` slots of `slot_bytes` (a COMPLETION, then up to `max_bytes` of
+ * data at CORE_DATA), and the deadline of a job that names none. */
+static PyObject *Qp_read_setup(Qp *self, PyObject *args)
+{
+    unsigned long long addr;
+    unsigned int lkey, slot, slots, max_bytes, deadline_ms;
+    if (!qp_live(self) || !PyArg_ParseTuple(args, "KIIIII", &addr, &lkey, &slot, &slots,
+                                            &max_bytes, &deadline_ms))
+        return NULL;
+    if (self->read_slots) {
+        PyErr_SetString(PyExc_ValueError, "the READ ring is already set up");
+        return NULL;
+    }
+    if (!addr || !slots || slots > (1u << 20) || !max_bytes || slot < CORE_DATA ||
+        slot - CORE_DATA < max_bytes) {
+        PyErr_SetString(PyExc_ValueError, "READ ring geometry does not fit its jobs");
+        return NULL;
+    }
+    self->core = PyMem_Calloc(slots, sizeof(CoreJob));
+    if (!self->core)
+        return PyErr_NoMemory();
+    self->read_addr = addr;
+    self->read_lkey = lkey;
+    self->read_slot = slot;
+    self->read_slots = slots;
+    self->read_max = max_bytes;
+    self->default_deadline_ns = (uint64_t)deadline_ms * 1000000u;
+    Py_RETURN_NONE;
+}
+
+static void core_free(Qp *self, CoreJob *j)
+{
+    j->state = CORE_FREE;
+    self->core_busy--;
+    self->core_wrs -= CORE_WRS;
+}
+
+/* Start a READ-path COPY (core_copy said yes; a slot is free): take a slot, add the job
+ * to `started`, repost the capsule's RECV and post the READ. 0, or -1 with an
+ * exception; *err is the errno of a repost or post that failed (the job is in `started`
+ * and its slot free again: nothing of it is out). */
+static int core_start(Qp *self, const uint8_t *c, uint64_t slot, uint64_t submit_ns,
+                      PyObject *started, int *err)
+{
+    uint32_t idx = 0;
+    while (self->core[idx].state != CORE_FREE)
+        idx++;
+    CoreJob *j = &self->core[idx];
+    uint64_t job_id = le64(c + 8), src = le64(c + 24), dst = le64(c + 40);
+    uint32_t length = le32(c + 32), src_rkey = le32(c + 36), dst_rkey = le32(c + 52);
+    uint32_t deadline_ms = le32(c + 20);
+    uint64_t start_ns = realtime_ns();
+    *j = (CoreJob){.job_id = job_id, .dst = dst, .submit_ns = submit_ns, .start_ns = start_ns,
+                   .deadline_ns = now_ns() + (deadline_ms ? deadline_ms * UINT64_C(1000000)
+                                                          : self->default_deadline_ns),
+                   .length = length, .dst_rkey = dst_rkey, .state = CORE_READING};
+    self->core_busy++;
+    self->core_open++;
+    self->core_wrs += CORE_WRS;
+    PyObject *job = Py_BuildValue("(KIKIKIIKK)", (unsigned long long)job_id, length,
+                                  (unsigned long long)src, src_rkey, (unsigned long long)dst,
+                                  dst_rkey, deadline_ms, (unsigned long long)submit_ns,
+                                  (unsigned long long)start_ns);
+    if (!job || PyList_Append(started, job) < 0) {
+        Py_XDECREF(job);
+        self->core_open--;
+        core_free(self, j);
+        return -1;
+    }
+    Py_DECREF(job);
+    *err = repost(self, slot);
+    if (!*err) {
+        struct ibv_sge sge = {.addr = self->read_addr + (uint64_t)idx * self->read_slot + CORE_DATA,
+                              .length = length, .lkey = self->read_lkey};
+        struct ibv_send_wr wr = {.wr_id = CORE_WR | (uint64_t)idx << 2 | CORE_OP_READ,
+                                 .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_READ,
+                                 .send_flags = IBV_SEND_SIGNALED};
+        wr.wr.rdma.remote_addr = src;
+        wr.wr.rdma.rkey = src_rkey;
+        *err = do_post(self, &wr);
+    }
+    if (*err) {
+        self->core_open--;
+        core_free(self, j);
+    }
+    return 0;
+}
+
+/* A successful completion of the READ path's: a READING job's READ has landed, so its
+ * WRITE and COMPLETION go out in one post and the job goes on the done list (a job past
+ * its deadline gets DEADLINE_EXCEEDED and no WRITE, as the pipeline checks before each
+ * step); a DROPPED job's READ, or a job's SEND, frees its slot. 0, -1 with an
+ * exception, or the errno of a post that failed (the job's slot is free again and it
+ * is not on the done list: the pipeline ends it with the link). */
+static int core_completion(Qp *self, uint64_t wr_id)
+{
+    uint64_t idx = (wr_id & ~CORE_WR) >> 2;
+    int op = (int)(wr_id & 3);
+    if (idx >= self->read_slots)
+        return 0;
+    CoreJob *j = &self->core[idx];
+    if (op == CORE_OP_SEND) {
+        if (j->state == CORE_SENDING)
+            core_free(self, j);
+        return 0;
+    }
+    if (op != CORE_OP_READ || (j->state != CORE_READING && j->state != CORE_DROPPED))
+        return 0;
+    if (j->state == CORE_DROPPED) {
+        core_free(self, j);
+        return 0;
+    }
+    if (!self->core_done && !(self->core_done = PyList_New(0)))
+        return -1;
+    uint8_t *out = (uint8_t *)(uintptr_t)(self->read_addr + idx * self->read_slot);
+    int late = now_ns() > j->deadline_ns;
+    uint64_t end_ns = realtime_ns();
+    uint32_t size = late ? put_completion(out, j->job_id, 4 /* FAILED */, 4 /* DEADLINE_EXCEEDED */,
+                                          j->length, 0, j->submit_ns, j->start_ns, end_ns, LATE)
+                         : put_completion(out, j->job_id, 3 /* SUCCEEDED */, 0, j->length,
+                                          j->length, j->submit_ns, j->start_ns, end_ns, NULL);
+    self->core_open--;
+    struct ibv_sge sges[2] = {{.addr = (uintptr_t)(out + CORE_DATA), .length = j->length,
+                               .lkey = self->read_lkey},
+                              {.addr = (uintptr_t)out, .length = size, .lkey = self->read_lkey}};
+    struct ibv_send_wr send = {.wr_id = CORE_WR | idx << 2 | CORE_OP_SEND, .sg_list = &sges[1],
+                               .num_sge = 1, .opcode = IBV_WR_SEND,
+                               .send_flags = IBV_SEND_SIGNALED};
+    struct ibv_send_wr write = {.wr_id = CORE_WR | idx << 2 | CORE_OP_WRITE, .next = &send,
+                                .sg_list = &sges[0], .num_sge = 1,
+                                .opcode = IBV_WR_RDMA_WRITE};
+    write.wr.rdma.remote_addr = j->dst;
+    write.wr.rdma.rkey = j->dst_rkey;
+    int err = do_post(self, late ? &send : &write);
+    if (err) {
+        core_free(self, j);
+        return err;
+    }
+    j->state = CORE_SENDING;
+    PyObject *done = Py_BuildValue("(KKi)", (unsigned long long)j->job_id,
+                                   (unsigned long long)end_ns, late);
+    if (!done || PyList_Append(self->core_done, done) < 0) {
+        Py_XDECREF(done);
+        return -1;
+    }
+    Py_DECREF(done);
+    self->core_answered++;
+    return 0;
+}
+
+/* serve(budget, next_wr_id, room, job_room)
+ *     -> (next_wr_id, jobs, started, pending, errno, inline_failed)
  *
- * The agent's fast path, while the pipeline allows it (no job of the session open in
- * Python, nothing queued to send): takes up to `budget` capsules from the receive CQ
- * and runs each inline COPY to its end here, while the send queue has `room` for it
- * and a fast slot is free. Its data goes from the RECV buffer into
- * a fast slot after the slot's COMPLETION, the RECV is reposted, and the WRITE
- * (unsignalled) and the COMPLETION's SEND (signalled) go in one post, wr_ids
- * next_wr_id and next_wr_id + 1. The first capsule that is anything else stops the
- * pass and comes back as `pending` (slot, status, byte_len), for the pipeline to take
- * next: capsules are answered in the order they arrived. `jobs` are the jobs run,
- * (job_id, length, dst_addr, dst_rkey, deadline_ms, submit_ns, start_ns, end_ns,
- * write_wr_id), for the pipeline's records. A post or repost that failed stops the
- * pass with its errno (the job it carried is in `jobs`: the link has failed). */
+ * The agent's fast path, while the pipeline allows it (every job it holds open is one
+ * the core started, nothing queued to send): takes up to `budget` capsules from the
+ * receive CQ and runs each COPY it can, while the send queue has `room` for it and
+ * `job_room` queue slots are free:
+ * - an inline COPY (a fast slot free) to its end: its data goes from the RECV buffer
+ *   into a fast slot after the slot's COMPLETION, the RECV is reposted, and the WRITE
+ *   (unsignalled) and the COMPLETION's SEND (signalled) go in one post, wr_ids
+ *   next_wr_id and next_wr_id + 1. `jobs` are these, finished and answered:
+ *   (job_id, length, dst_addr, dst_rkey, deadline_ms, submit_ns, start_ns, end_ns,
+ *   write_wr_id);
+ * - a COPY READ from the host, of at most read_max bytes (a READ slot free): its READ is
+ *   posted and the RECV reposted, and the job stays open until poll_send takes the
+ *   READ's completion and posts its WRITE and COMPLETION. `started` are these, for the
+ *   pipeline to hold open: (job_id, length, src_addr, src_rkey, dst_addr, dst_rkey,
+ *   deadline_ms, submit_ns, start_ns).
+ * The first capsule that is anything else stops the pass and comes back as `pending`
+ * (slot, status, byte_len), for the pipeline to take next: capsules are handled in the
+ * order they arrived. A post or repost that failed stops the pass with its errno; the
+ * job it carried is the last of `jobs` if `inline_failed`, else the last of `started`
+ * (the link has failed). */
 static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t next_id;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "serve(budget, next_wr_id, room)");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "serve(budget, next_wr_id, room, job_room)");
         return NULL;
     }
     long budget = PyLong_AsLong(args[0]);
     long room = PyLong_AsLong(args[2]);
+    long job_room = PyLong_AsLong(args[3]);
     if (!qp_live(self) || (budget == -1 && PyErr_Occurred()) || !parse_u64(args[1], &next_id) ||
-        (room == -1 && PyErr_Occurred()))
+        (room == -1 && PyErr_Occurred()) || (job_room == -1 && PyErr_Occurred()))
         return NULL;
     PyObject *jobs = PyList_New(0);
-    if (!jobs)
-        return NULL;
+    PyObject *started = PyList_New(0);
     PyObject *pending = NULL;
-    int err = 0;
+    if (!jobs || !started)
+        goto error;
+    int err = 0, inline_failed = 0;
     while (FAST_PATH && budget-- > 0) {
         uint64_t slot = 0;
         int status = 0;
@@ -665,14 +965,22 @@ static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
         uint64_t submit_ns = realtime_ns();
         const uint8_t *c = (const uint8_t *)(uintptr_t)(self->recv_addr +
                                                         (slot % self->recv_depth) * self->recv_slot);
-        const FastRegion *region = NULL;
-        /* Without room for a WRITE and a SEND, or a free fast slot, the pipeline takes
-         * the job: it queues what cannot be posted yet and keeps the spec's bound on
-         * COMPLETIONs that wait (DP-2.6-6), which a core that stopped reading would not. */
-        if (status == IBV_WC_SUCCESS && slot < self->recv_depth && n <= self->recv_slot &&
-            room >= 2 && self->fast_used < self->fast_slots)
-            region = fast_copy(self, c, n);
-        if (!region) {
+        /* Without room for a WRITE and a SEND, a free queue slot or a free fast or READ
+         * slot, the pipeline takes the job: it queues what cannot be posted yet, refuses
+         * a SUBMIT beyond the credits, and keeps the spec's bound on COMPLETIONs that
+         * wait (DP-2.6-6), which a core that stopped reading would not. */
+        int usable = status == IBV_WC_SUCCESS && slot < self->recv_depth &&
+                     n <= self->recv_slot && room >= 2 && job_room > 0;
+        if (usable && self->core_busy < self->read_slots && core_copy(self, c, n)) {
+            if (core_start(self, c, slot, submit_ns, started, &err) < 0)
+                goto error;
+            room -= CORE_WRS;
+            job_room--;
+            if (err)
+                break;
+            continue;
+        }
+        if (!usable || self->fast_used >= self->fast_slots || !fast_copy(self, c, n)) {
             pending = Py_BuildValue("(KiI)", (unsigned long long)slot, status, n);
             if (!pending)
                 goto error;
@@ -687,19 +995,9 @@ static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
         memcpy(out + 80, c + 80, length);
         err = repost(self, slot);
         uint64_t end_ns = realtime_ns();
-        memset(out, 0, 80);
-        out[0] = 'D';
-        out[1] = 'C';
-        out[2] = 1;
-        out[3] = 3; /* COMPLETION */
-        out[4] = 80;
-        put64(out + 8, job_id);
-        out[18] = 3; /* SUCCEEDED, status 0 */
-        put64(out + 24, length); /* bytes_read: the inline source */
-        put64(out + 32, length); /* bytes_written */
-        put64(out + 48, submit_ns);
-        put64(out + 56, start_ns);
-        put64(out + 64, end_ns);
+        /* bytes_read: the inline source */
+        put_completion(out, job_id, 3 /* SUCCEEDED */, 0, length, length, submit_ns, start_ns,
+                       end_ns, NULL);
         PyObject *job = Py_BuildValue("(KIKIIKKKK)", (unsigned long long)job_id, length,
                                       (unsigned long long)dst, rkey, deadline_ms,
                                       (unsigned long long)submit_ns,
@@ -710,8 +1008,10 @@ static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
         Py_DECREF(job);
-        if (err)
+        if (err) {
+            inline_failed = 1;
             break;
+        }
         struct ibv_sge sges[2] = {{.addr = (uintptr_t)(out + 80), .length = length,
                                    .lkey = self->fast_lkey},
                                   {.addr = (uintptr_t)out, .length = 80, .lkey = self->fast_lkey}};
@@ -726,17 +1026,56 @@ static PyObject *Qp_serve(Qp *self, PyObject *const *args, Py_ssize_t nargs)
         next_id += 2;
         room -= 2;
         err = do_post(self, &write);
-        if (err)
+        if (err) {
+            inline_failed = 1;
             break;
+        }
     }
-    PyObject *result = Py_BuildValue("(KNOi)", (unsigned long long)next_id, jobs,
-                                     pending ? pending : Py_None, err);
+    PyObject *result = Py_BuildValue("(KNNOii)", (unsigned long long)next_id, jobs, started,
+                                     pending ? pending : Py_None, err, inline_failed);
     Py_XDECREF(pending);
     return result;
 error:
-    Py_DECREF(jobs);
+    Py_XDECREF(jobs);
+    Py_XDECREF(started);
     Py_XDECREF(pending);
     return NULL;
+}
+
+/* core_cancel(job_id) -> bool: the pipeline ends a job the core started (CANCEL, its
+ * deadline, the link failed, the session closes). True: the core will not WRITE for it
+ * (its READ, if out, keeps the slot until it completed); False: its COMPLETION was
+ * posted already and it is on the done list (take_done), finished. */
+static PyObject *Qp_core_cancel(Qp *self, PyObject *arg)
+{
+    uint64_t job_id;
+    if (!parse_u64(arg, &job_id))
+        return NULL;
+    int sent = 0;
+    for (uint32_t i = 0; i < self->read_slots; i++) {
+        CoreJob *j = &self->core[i];
+        if (j->job_id != job_id)
+            continue;
+        if (j->state == CORE_READING) {
+            j->state = CORE_DROPPED;
+            self->core_open--;
+            Py_RETURN_TRUE;
+        }
+        sent |= j->state == CORE_SENDING;
+    }
+    return PyBool_FromLong(!sent);
+}
+
+/* take_done() -> [(job_id, end_ns, late), ...] or None: the READ-path jobs whose
+ * COMPLETION the core posted since the last call (late: DEADLINE_EXCEEDED). */
+static PyObject *Qp_take_done(Qp *self, PyObject *unused)
+{
+    PyObject *done = self->core_done;
+    if (!done || !PyList_GET_SIZE(done))
+        Py_RETURN_NONE;
+    self->core_done = NULL;
+    self->core_answered = 0;
+    return done;
 }
 
 /* wait_any(timeout_ns) -> bool: whether a completion is there, of either queue, waiting
@@ -803,9 +1142,16 @@ static PyMethodDef Qp_methods[] = {
     {"fast_setup", (PyCFunction)Qp_fast_setup, METH_VARARGS,
      "fast_setup(addr, lkey, slot_bytes, slots, inline_max): the agent's fast ring"},
     {"set_regions", (PyCFunction)Qp_set_regions, METH_O,
-     "set_regions([(addr, length, rkey), ...]): where fast jobs may WRITE"},
+     "set_regions([(addr, length, rkey, access), ...]): the regions fast jobs may use"},
+    {"read_setup", (PyCFunction)Qp_read_setup, METH_VARARGS,
+     "read_setup(addr, lkey, slot_bytes, slots, max_bytes, default_deadline_ms): the READ ring"},
     {"serve", (PyCFunction)(void (*)(void))Qp_serve, METH_FASTCALL,
-     "serve(budget, next_wr_id, room) -> (next_wr_id, jobs, pending, errno)"},
+     "serve(budget, next_wr_id, room, job_room) -> "
+     "(next_wr_id, jobs, started, pending, errno, inline_failed)"},
+    {"core_cancel", (PyCFunction)Qp_core_cancel, METH_O,
+     "core_cancel(job_id) -> bool: False if the job's COMPLETION was posted already"},
+    {"take_done", (PyCFunction)Qp_take_done, METH_NOARGS,
+     "take_done() -> [(job_id, end_ns, late), ...] or None: READ-path jobs answered"},
     {"wait_any", (PyCFunction)Qp_wait_any, METH_O,
      "wait_any(timeout_ns) -> bool: a completion of either queue is there (kept for the next poll)"},
     {"close", (PyCFunction)Qp_close, METH_NOARGS, "forget the pointers; idempotent"},
@@ -815,6 +1161,12 @@ static PyMethodDef Qp_methods[] = {
 static PyMemberDef Qp_members[] = {
     {"recv_errno", T_INT, offsetof(Qp, recv_errno), READONLY,
      "the errno of call()'s last RECV repost (0: it succeeded)"},
+    {"core_wrs", T_UINT, offsetof(Qp, core_wrs), READONLY,
+     "send-queue entries the READ path's jobs hold (2 each, from READ to SEND)"},
+    {"core_answered", T_UINT, offsetof(Qp, core_answered), READONLY,
+     "READ-path jobs answered that take_done() has not yet returned"},
+    {"core_busy", T_UINT, offsetof(Qp, core_busy), READONLY,
+     "READ ring slots in use (a job open, dropped with its READ out, or sending)"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -822,6 +1174,8 @@ static void Qp_dealloc(Qp *self)
 {
     PyMem_Free(self->fast_send_id);
     PyMem_Free(self->regions);
+    PyMem_Free(self->core);
+    Py_XDECREF(self->core_done);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -863,7 +1217,7 @@ PyMODINIT_FUNC PyInit__vcore(void)
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+    if (PyModule_AddIntConstant(m, "ABI", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

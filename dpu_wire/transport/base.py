@@ -157,16 +157,38 @@ class LinkSink(Protocol):
         """The operation posted with `token` finished (error: the link failed)."""
 
 
+FastRegion = tuple[int, int, int, int]
+"""A region of the session as a link's fast path checks spans against it: (addr,
+length, rkey, the `Access` it grants as an int)."""
+
 FastJob = tuple[int, int, int, int, int, int, int, int, int]
 """A job the agent link ran itself (native core): (job_id, length, destination addr,
 destination rkey, deadline_ms, submit_ns, start_ns, end_ns, its WRITE's wr_id)."""
+
+CoreJob = tuple[int, int, int, int, int, int, int, int, int]
+"""A COPY the agent link started itself by READing its source (native core): (job_id,
+length, source addr, source rkey, destination addr, destination rkey, deadline_ms,
+submit_ns, start_ns). Open until a `CoreDone` names it or the pipeline ends it
+(`AgentLink.core_cancel`)."""
+
+CoreDone = tuple[int, int, int]
+"""A `CoreJob` whose COMPLETION the link posted: (job_id, end_ns, late). late: it ended
+FAILED with DEADLINE_EXCEEDED when its READ completed (nothing WRITTEN); else it
+SUCCEEDED."""
 
 
 class FastSink(Protocol):
     """What an agent link with a fast path asks and reports (`AgentLink.fast_regions`)."""
 
-    def fast_allowed(self) -> bool:
-        """Whether the link may run jobs itself now; asked once per poll."""
+    default_deadline: float
+    """Seconds a job gets when its SUBMIT names no deadline."""
+
+    def fast_room(self) -> int:
+        """How many jobs the link may start itself now (0: none); asked once per poll.
+
+        The queue slots free, when every job the sink holds open is one the link
+        started and nothing of the sink's waits to be sent; else 0.
+        """
         raise NotImplementedError
 
     def on_fast_jobs(self, jobs: list[FastJob], failed: bool) -> None:  # noqa: FBT001 - positional by design
@@ -174,6 +196,14 @@ class FastSink(Protocol):
 
         `failed`: the last one's COMPLETION could not be posted; the link has failed.
         """
+        raise NotImplementedError
+
+    def on_core_jobs(self, jobs: list[CoreJob]) -> None:
+        """Jobs the link started itself: hold them open (their READ is out)."""
+        raise NotImplementedError
+
+    def on_core_done(self, done: list[CoreDone]) -> None:
+        """Jobs the link started that it answered: they end as each says."""
         raise NotImplementedError
 
 
@@ -210,18 +240,29 @@ class AgentLink(abc.ABC):
         del seconds
         return False
 
-    def fast_regions(self, regions: list[tuple[int, int, int]], sink: FastSink) -> bool:
-        """Run inline COPY jobs into these (addr, length, rkey) regions without Python.
+    def fast_regions(self, regions: list[FastRegion], sink: FastSink) -> bool:
+        """Run COPY jobs between these regions without Python.
 
-        The session's regions that grant REMOTE_WRITE, pushed again after every change.
-        A link that can (verbs with the native core) takes each SUBMIT that is an inline
-        COPY passing every admission check into one of them and answers it itself, while
-        its sink's `fast_allowed()` says so, reporting the jobs to `on_fast_jobs`; every
-        other capsule goes to `on_capsule` as before, in order. Returns whether the link
-        has a fast path (the default: no).
+        The session's regions, pushed again after every change. A link that can (verbs
+        with the native core) takes each SUBMIT that is a COPY passing every admission
+        check while its sink's `fast_room()` allows it: an inline one it runs and
+        answers at once (`on_fast_jobs`); one whose source it READs it starts
+        (`on_core_jobs`) and answers once the READ is in (`on_core_done`). Every other
+        capsule goes to `on_capsule` as before, in order. Returns whether the link has a
+        fast path (the default: no).
         """
         del regions, sink
         return False
+
+    def core_cancel(self, job_id: int) -> bool:
+        """The sink ends a job the link started (`on_core_jobs`) before it was answered.
+
+        True: the link will not WRITE for it nor answer it (an operation of it that is
+        out still completes, DP-2.6-5); False: the link answered it already, and the
+        answer is on its way to `on_core_done`. The default: True (no such jobs).
+        """
+        del job_id
+        return True
 
     @property
     @abc.abstractmethod

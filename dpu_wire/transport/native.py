@@ -6,7 +6,8 @@ SEND's capsule copied into its slot in the same call), ibv_post_recv of a RECV r
 slot, one completion at a time from an extended CQ; waits that spin on the CQs with the
 GIL released (a host for its only job's completion, an idle agent reactor for its one
 link's next completion); and the agent's fast path, which runs inline COPY jobs to their
-end (`Qp.serve`, `AgentLink.fast_regions`). pyverbs stays the resource
+end and COPY jobs of up to 64 KiB from their READ to their COMPLETION (`Qp.serve`,
+`Qp.poll_send`, `AgentLink.fast_regions`). pyverbs stays the resource
 layer: it makes every object, and this module only finds their C pointers (as
 `_cqnotify` does for the completion channel) and hands them to `_vcore.Qp`, which checks
 that the QP and the CQs belong together before anything is posted through them.
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from types import ModuleType
 
 ENV: Final = "DPU_NATIVE"  # "0": use the pure-Python path even where the core is built
+ABI: Final = 2  # _vcore's calls as this code makes them (_vcore.ABI; an older build is not used)
 
 
 def _load() -> tuple[ModuleType | None, str]:
@@ -41,6 +43,8 @@ def _load() -> tuple[ModuleType | None, str]:
         from dpu_wire.transport import _vcore  # noqa: PLC0415 - optional, compiled
     except ImportError as exc:
         return None, f"not built ({exc})"
+    if getattr(_vcore, "ABI", 0) != ABI:
+        return None, f"a stale build (ABI {getattr(_vcore, 'ABI', 0)}, not {ABI}): make venv"
     return _vcore, "built"
 
 

@@ -76,6 +76,7 @@ from dpu_wire.transport._cqnotify import CqNotifier, NotifyUnavailable
 from dpu_wire.transport.base import (
     Access,
     AgentLink,
+    FastRegion,
     FastSink,
     HostLink,
     OutCapsule,
@@ -130,6 +131,10 @@ MIN_RNR_TIMER: Final = 12  # 0.64 ms before a RECV-not-ready retry
 RD_ATOMIC: Final = 16  # RDMA READs in flight (clamped to what the device supports)
 HOP_LIMIT: Final = 64  # RoCEv2 may cross routers
 RECV_BATCH: Final = 16  # RECV completions taken per poll of the receive CQ
+CORE_SLOTS: Final = 16  # the native core's READ ring: jobs it READs at once, at most
+CORE_MAX: Final = 64 << 10  # the largest COPY it READs itself (the pipeline's small buffer)
+CORE_DATA: Final = 128  # a READ ring slot: the job's COMPLETION, then its data from here
+CORE_WR: Final = 1 << 62  # the bit of the wr_ids the core's READ path posts with
 DEFAULT_SPIN_S: Final = 0.002  # how long a host link polls after the last activity
 WAIT_TURNS: Final = 32  # `HostLink.wait` spins in a row before the event loop must turn
 GAP_WEIGHT: Final = 0.25  # a new wait's weight in the host's average wait for an answer
@@ -382,7 +387,7 @@ class _QueuePair:
         self._recv_cq: Any = None
         self._notifier: CqNotifier | None = None
         self._native: Any = None  # a native.attach() core: posts and polls in C
-        self._fast: FastSink | None = None  # set: the core runs inline COPY jobs itself
+        self._fast: FastSink | None = None  # set: the core runs COPY jobs itself
         self._send_cq: Any = None
         self._channel: Any = None
         self._channel_fd = -1
@@ -584,16 +589,18 @@ class _QueuePair:
 
     @property
     def outstanding(self) -> int:
-        """Send-queue work requests posted and not yet completed."""
-        return len(self._sq)
+        """Send-queue work requests posted and not yet completed (the core's included)."""
+        core = self._native
+        return len(self._sq) + (core.core_wrs if core is not None else 0)
 
     def room(self) -> int:
         """Work requests that can be posted now (a SEND also needs a free send slot)."""
         return self._config.send_depth - self._queued()
 
     def _queued(self) -> int:
-        """Send-queue entries taken: posted and not completed, and a held WRITE."""
-        return len(self._sq) + (self._held is not None)
+        """Send-queue entries taken: posted and not completed, a held WRITE, the core's."""
+        core = self._native
+        return len(self._sq) + (self._held is not None) + (core.core_wrs if core is not None else 0)
 
     def send_room(self) -> int:
         """Capsules that can be sent now."""
@@ -845,7 +852,8 @@ class _QueuePair:
         """Take send completions, then up to `budget` capsules; return how many."""
         if self._unreported:
             self._report_failed(sink)
-        taken = self.poll_sends(sink, budget) if self._sq else 0
+        core = self._native
+        taken = self.poll_sends(sink, budget) if self._sq or (core and core.core_busy) else 0
         if self._closed:  # a callback closed the link: its CQs are gone
             return taken
         return taken + self._poll_recv(sink, budget)
@@ -857,19 +865,16 @@ class _QueuePair:
         fast device has completed by the next poll; unbounded, one busy job would keep
         the caller here for its whole run (and its reactor's other work waiting).
         """
-        cq, attr, sq, core = self._send_cq, self._poll_attr, self._sq, self._native
+        sq, core = self._sq, self._native
         taken = 0
-        while sq and taken < budget and not self._closed:
-            if core is not None:
-                got = core.poll_send()
-                if got is None:  # nothing (or an error code)
-                    return taken
-                wr_id, status = got
-            else:
-                if cq.start_poll(attr) != 0:  # ENOENT: nothing (or an error code)
-                    return taken
-                wr_id, status = cq.wr_id, cq.status
-                cq.end_poll()
+        while (sq or (core and core.core_busy)) and taken < budget and not self._closed:
+            got = self._take_send()
+            if got is None:  # nothing (or an error code)
+                return taken
+            wr_id, status = got
+            if wr_id & CORE_WR:  # one of the core's READ path failed
+                self._failed_core(status, sink)
+                return taken
             taken += 1
             ok = status == ev.IBV_WC_SUCCESS
             # RC completes the send queue in order: everything up to wr_id is done.
@@ -887,6 +892,23 @@ class _QueuePair:
                     break
         return taken
 
+    def _take_send(self) -> tuple[int, int] | None:
+        """The next send-queue completion: (wr_id, status), or None if there is none.
+
+        Through the core, the READ path's own are taken there and only its failures
+        come back.
+        """
+        core = self._native
+        if core is not None:
+            got: tuple[int, int] | None = core.poll_send()
+            return got
+        cq = self._send_cq
+        if cq.start_poll(self._poll_attr) != 0:  # ENOENT: nothing (or an error code)
+            return None
+        wr_id, status = cq.wr_id, cq.status
+        cq.end_poll()
+        return wr_id, status
+
     def _failed_completion(self, status: int, token: int | None, sink: LinkSink | None) -> None:
         name = _wc_status_name(status)
         if status == ev.IBV_WC_REM_ACCESS_ERR:
@@ -897,6 +919,27 @@ class _QueuePair:
         else:
             error = TransportError(f"a work request failed with {name}; the queue pair is in error")
         self.fail(error, sink, token)
+
+    def _failed_core(self, status: int, sink: LinkSink | None) -> None:
+        """A work request of the core's READ path failed (status), or its post (-errno)."""
+        if status < 0:
+            self.fail(TransportError(f"posting a job's WRITE failed: {os.strerror(-status)}"), sink)
+        else:
+            self._failed_completion(status, None, sink)
+
+    def _core_done(self) -> None:
+        """Hand the jobs the core's READ path answered to the fast sink."""
+        fast, core = self._fast, self._native
+        if fast is not None and core is not None and core.core_answered:
+            fast.on_core_done(core.take_done())
+
+    def core_cancel(self, job_id: int) -> bool:
+        """See `AgentLink.core_cancel`; False once the job's answer went to the sink."""
+        core = self._native
+        if core is None or self._closed or core.core_cancel(job_id):
+            return True
+        self._core_done()
+        return False
 
     def _poll_recv(self, sink: LinkSink, budget: int) -> int:
         """Take up to `budget` capsules (bound to the variant `_open_recv_cq` chose)."""
@@ -918,9 +961,9 @@ class _QueuePair:
         return taken
 
     def fast_regions(
-        self, regions: list[tuple[int, int, int]], inline_max: int, sink: FastSink
+        self, regions: list[FastRegion], inline_max: int, default_deadline: float, sink: FastSink
     ) -> bool:
-        """Set up the core's fast path (once) and where its jobs may WRITE."""
+        """Set up the core's fast path (once) and the regions its jobs may use."""
         if self._native is None or inline_max <= 0 or self._closed:
             return False
         if self._fast is None:
@@ -928,42 +971,72 @@ class _QueuePair:
             depth = self._config.queue_depth
             ring = self.register(depth * slot, Access.NONE, 0)
             self._native.fast_setup(ring.addr, ring.lkey, slot, depth, inline_max)
+            # The READ path: a slot per job, the COMPLETION then up to CORE_MAX bytes.
+            slots = min(depth, CORE_SLOTS)
+            slot = CORE_DATA + CORE_MAX
+            ring = self.register(slots * slot, Access.NONE, int(ev.IBV_ACCESS_LOCAL_WRITE))
+            deadline_ms = min(round(default_deadline * 1000), 0xFFFF_FFFF)
+            self._native.read_setup(ring.addr, ring.lkey, slot, slots, CORE_MAX, deadline_ms)
         self._fast = sink
         self._native.set_regions(regions)
         return True
 
-    def _serve_fast(self, sink: LinkSink, fast: FastSink, budget: int) -> int:
-        """Let the core run inline COPY jobs (`fast_regions`); the capsules taken."""
-        next_id, jobs, pending, err = self._native.serve(budget, self._next_wr_id, self.room())
+    def _serve_fast(
+        self, sink: LinkSink, fast: FastSink, budget: int, job_room: int
+    ) -> tuple[int, bool]:
+        """Let the core run and start COPY jobs (`fast_regions`).
+
+        (capsules taken, whether the core stopped at one for the pipeline: more may wait).
+        """
+        next_id, jobs, started, pending, err, inline_failed = self._native.serve(
+            budget, self._next_wr_id, self.room(), job_room
+        )
         self._next_wr_id = next_id
-        taken = len(jobs)
+        taken = len(jobs) + len(started)
+        if started:
+            fast.on_core_jobs(started)
         if jobs:
             sq = self._sq
             for job in jobs:
                 sq.append((job[8], None, None))
                 sq.append((job[8] + 1, None, None))
-            fast.on_fast_jobs(jobs, bool(err))
+            fast.on_fast_jobs(jobs, bool(inline_failed))
         if err:
             self.fail(TransportError(f"posting a fast job failed: {os.strerror(err)}"), sink)
-            return taken
-        if pending is not None:
-            taken += 1
-            self._received(sink, *pending)
-        return taken
+            return taken, False
+        if pending is None:
+            return taken, False
+        return taken + 1, self._received(sink, *pending)
 
     def _poll_recv_native(self, sink: LinkSink, budget: int) -> int:
-        core = self._native
-        fast = self._fast
-        if fast is not None and self._held is None and not self._unreported and fast.fast_allowed():
-            return self._serve_fast(sink, fast, budget)
+        """Capsules through the core: its fast path while the sink allows, else one by one.
+
+        Every capsule of the pass is handled before the next send completion is taken,
+        whichever side handles it: a CANCEL right behind a job the core READs finds the
+        job open, as in the pipeline (DP-2.5-1).
+        """
+        core, fast = self._native, self._fast
+        if fast is not None:
+            self._core_done()  # its jobs end before the next capsule is read (DP-2.6-2)
         taken = 0
         while taken < budget and not self._closed:
-            got = core.poll_recv()
-            if got is None:  # empty
-                break
-            taken += 1
-            if not self._received(sink, *got):
-                break
+            job_room = 0
+            if fast is not None and self._held is None and not self._unreported:
+                job_room = fast.fast_room()
+            if fast is not None and job_room > 0:
+                served, more = self._serve_fast(sink, fast, budget - taken, job_room)
+                taken += served
+                if not more:
+                    break
+            else:
+                got = core.poll_recv()
+                if got is None:  # empty
+                    break
+                taken += 1
+                if not self._received(sink, *got):
+                    break
+            if fast is not None:
+                self._core_done()  # a send poll inside that capsule's handling took some
         return taken
 
     def idle_wait(self, timeout: float) -> bool:
@@ -1278,9 +1351,13 @@ class VerbsAgentLink(AgentLink):
         """See `AgentLink.idle_wait`: the native core spins on the receive CQ."""
         return self._qp.idle_wait(seconds)
 
-    def fast_regions(self, regions: list[tuple[int, int, int]], sink: FastSink) -> bool:
-        """See `AgentLink.fast_regions`: with the native core, inline COPY jobs run in C."""
-        return self._qp.fast_regions(regions, self.inline_max, sink)
+    def fast_regions(self, regions: list[FastRegion], sink: FastSink) -> bool:
+        """See `AgentLink.fast_regions`: with the native core, COPY jobs run in C."""
+        return self._qp.fast_regions(regions, self.inline_max, sink.default_deadline, sink)
+
+    def core_cancel(self, job_id: int) -> bool:
+        """See `AgentLink.core_cancel`."""
+        return self._qp.core_cancel(job_id)
 
     def staging(self, length: int) -> VerbsRegion:
         """Local memory registered for LOCAL_WRITE only: READ target and WRITE source."""

@@ -251,8 +251,9 @@ class SessionCounters(_message.Message):
     """RDMA WRITE into host memory"""
     regions: _builtins.int
     jobs_native: _builtins.int
-    """Of jobs_completed: inline COPY jobs the agent's verbs link ran to completion in
-    its native core, without the Python pipeline (docs/performance.md).
+    """Of jobs_completed: COPY jobs the agent's verbs link ran in its native core,
+    without the Python pipeline's runners: inline ones, and ones of at most 64 KiB it
+    READ from the host (docs/performance.md).
     """
     def __init__(
         self,

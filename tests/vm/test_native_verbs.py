@@ -1,5 +1,7 @@
-"""The verbs transport's native core on rxe: both ends use it, the agent runs inline COPY
-jobs in it, and whatever it does not run reaches the Python pipeline with the same answer.
+"""The verbs transport's native core on rxe: both ends use it, the agent runs COPY jobs
+in it (inline ones to their end, READ ones from their READ to their COMPLETION while the
+pipeline holds them open), and whatever it does not run reaches the Python pipeline with
+the same answer.
 
 `dpu_wire/transport/native.py` says what the core does; docs/performance.md says why.
 """
@@ -11,6 +13,7 @@ import random
 
 import crc32c
 import pytest
+import pytest_asyncio
 
 import host_client
 from dpu_wire.capsule import Span
@@ -18,6 +21,9 @@ from dpu_wire.jobkinds import JobKind
 from dpu_wire.transport import native
 from dpu_wire.transport.verbs import VerbsHostLink
 from host_client import JobRequest
+from tests.conformance import wire
+from tests.conformance.harness import Agents, Ctx
+from tests.conformance.rawtcp import READ, WRITE
 from tests.integration.conftest import start_agent
 
 pytestmark = [pytest.mark.rdma]
@@ -192,6 +198,119 @@ async def test_jobs_in_flight_in_python_keep_the_core_out_and_order_holds(native
         counters = (await client.get_session(session.name)).counters
         assert counters.jobs_completed == 16
         assert counters.jobs_native < 16
+
+
+@pytest.mark.asyncio
+async def test_copies_read_from_the_host_run_in_the_core_byte_for_byte(native_agent):
+    rng = random.Random(13)  # noqa: S311 - test data, not secrets
+    size = 64 << 10
+    async with (
+        host_client.Client(native_agent.address, timeout=60) as client,
+        await client.open_session(transport="verbs", queue_depth=16, inline=False) as session,
+    ):
+        src = await session.alloc(4 * size, readable=True)
+        dst = await session.alloc(16 * size, writable=True)
+        before = await _native_jobs(client, session)
+        expected: list[tuple[int, bytes]] = []
+        for _ in range(8):  # rounds of 16 in flight, more than the core's READ ring at times
+            src.view[:] = os.urandom(4 * size)
+            requests = []
+            for n in range(16):
+                length = rng.choice((1, 4096, size, rng.randint(1, size)))
+                at = rng.randrange(0, 4 * size - length + 1)
+                requests.append(
+                    session.copy_request(src[at : at + length], dst[n * size : n * size + length])
+                )
+                expected.append((n * size, bytes(src.view[at : at + length])))
+            for job in await session.submit_many(requests):
+                done = (await job).raise_for_status()
+                assert done.bytes_read == done.bytes_written > 0
+            for to, data in expected:
+                assert bytes(dst.view[to : to + len(data)]) == data
+            expected.clear()
+        assert await _native_jobs(client, session) - before == 128
+        counters = (await client.get_session(session.name)).counters
+        assert (counters.jobs_completed, counters.jobs_failed) == (128, 0)
+        # and the pipeline's kinds still run beside it on the same session
+        assert await session.crc32c(src) == crc32c.crc32c(bytes(src.view))
+
+
+@pytest_asyncio.fixture
+async def raw_session(rdma_port, host_port, tmp_path_factory):
+    """A session of the conformance suite's raw host: it sends capsules as they are given."""
+    agents = Agents("verbs", tmp_path_factory.mktemp("raw"), device=rdma_port.device)
+    ctx = Ctx("verbs", agents, device=host_port.device)
+    try:
+        yield await ctx.open(queue_depth=16)
+    finally:
+        await ctx.aclose()
+        assert agents.stop() == []
+
+
+async def _copies(session, count: int, **fields: int):
+    """`count` SUBMITs of 64 KiB COPY jobs between two new regions: (src, dst, ids, capsules)."""
+    size = 64 << 10
+    src = await session.region(16 * size, READ, fill=os.urandom(16 * size))
+    dst = await session.region(16 * size, WRITE)
+    ids = [session.next_id() for _ in range(count)]
+    capsules = [
+        wire.submit(job, JobKind.COPY, src.span(n * size, size), dst.span(n * size, size), **fields)
+        for n, job in enumerate(ids)
+    ]
+    return src, dst, ids, capsules
+
+
+@pytest.mark.asyncio
+async def test_a_copy_the_core_reads_is_open_until_its_read_lands(raw_session):
+    # Twelve 64 KiB copies in one post, then the last id again and a CANCEL of the one
+    # before. The agent handles every capsule of a pass before it takes the next send
+    # completion, so both find their job open, its READ out (DP-2.5-6, DP-2.3-2).
+    session, size = raw_session, 64 << 10
+    src, dst, ids, capsules = await _copies(session, 12)
+    again, cancelled = ids[-1], ids[-2]
+    capsules.append(wire.submit(again, JobKind.COPY, src.span(0, size), dst.span(15 * size, size)))
+    capsules.append(wire.cancel(cancelled))
+    await session.send(*capsules)
+    answers = [await session.completion() for _ in range(13)]
+    await session.quiet(0.5)
+    by_id: dict[int, list[wire.Completion]] = {}
+    for answer in answers:
+        by_id.setdefault(answer.job_id, []).append(answer)
+    refused, done = sorted(by_id.pop(again), key=lambda a: a.start_ns)
+    assert (refused.state, refused.status, refused.start_ns) == (wire.St.FAILED, 3, 0), refused
+    assert done.ok, done
+    (stopped,) = by_id.pop(cancelled)
+    assert (stopped.state, stopped.message) == (wire.St.CANCELLED, "cancelled by request")
+    assert stopped.bytes_written == 0
+    assert all(a.ok for (a,) in by_id.values()), by_id
+    view = bytes(dst.view)
+    for n, job in enumerate(ids):
+        got = view[n * size : (n + 1) * size]
+        if job == cancelled:  # the core wrote nothing for it once it was ended
+            assert got == bytes(size)
+        else:
+            assert got == bytes(src.view[n * size : (n + 1) * size]), n
+    assert view[15 * size :] == bytes(size)  # the refused SUBMIT touched nothing
+    counters = (await session.get()).counters
+    assert (counters.jobs_native, counters.jobs_completed) == (11, 11)
+
+
+@pytest.mark.asyncio
+async def test_a_copy_the_core_reads_past_its_deadline_writes_nothing(raw_session):
+    session, size = raw_session, 64 << 10
+    src, dst, ids, capsules = await _copies(session, 16, deadline_ms=1)
+    await session.send(*capsules)
+    answers = {a.job_id: a for a in [await session.completion() for _ in ids]}
+    late = [job for job in ids if answers[job].state == wire.St.FAILED]
+    assert late, "no job took more than 1 ms: the test proves nothing"
+    view = bytes(dst.view)
+    for n, job in enumerate(ids):
+        answer, got = answers[job], view[n * size : (n + 1) * size]
+        if answer.ok:
+            assert got == bytes(src.view[n * size : (n + 1) * size]), n
+        else:
+            assert (answer.status, answer.message) == (4, "job deadline exceeded"), answer
+            assert (answer.bytes_written, got) == (0, bytes(size))
 
 
 @pytest.mark.asyncio
