@@ -1081,9 +1081,9 @@ class _QueuePair:
             # cause, and the device completes every outstanding send WR once in error. Report
             # it from there when one is outstanding; the RECVs' flushes say nothing more.
             self._recv_flushed = True
-            if self._sq and status == ev.IBV_WC_WR_FLUSH_ERR:
+            if self.outstanding and status == ev.IBV_WC_WR_FLUSH_ERR:
                 self.poll_sends(sink)
-            if not self._sq:
+            if not self.outstanding:  # (the core's work requests count: its READs too)
                 self.fail(
                     TransportError(
                         "the queue pair is in the error state (a RECV completed with "

@@ -20,6 +20,7 @@ from dpu_wire.capsule import Span
 from dpu_wire.jobkinds import JobKind
 from dpu_wire.transport import native
 from dpu_wire.transport.verbs import VerbsHostLink
+from dpu_wire.v1 import session_pb2
 from host_client import JobRequest
 from tests.conformance import wire
 from tests.conformance.harness import Agents, Ctx
@@ -311,6 +312,20 @@ async def test_a_copy_the_core_reads_past_its_deadline_writes_nothing(raw_sessio
         else:
             assert (answer.status, answer.message) == (4, "job deadline exceeded"), answer
             assert (answer.bytes_written, got) == (0, bytes(size))
+
+
+@pytest.mark.asyncio
+async def test_a_source_the_host_deregistered_fails_the_session_with_its_cause(raw_session):
+    # A hostile host keeps the region advertised but deregisters its memory: the core's
+    # READ is refused, and the session fails saying so (the RECVs flushed after it say
+    # nothing of the cause).
+    session = raw_session
+    src, _, _, capsules = await _copies(session, 4)
+    session.host.withdraw(src)  # the host's MR is gone; the agent still has the region
+    await session.send(*capsules)
+    failed = await session.wait_state(session_pb2.SESSION_STATE_FAILED)
+    assert failed.state == session_pb2.SESSION_STATE_FAILED, failed
+    assert "refused an RDMA operation" in failed.error.message, failed.error
 
 
 @pytest.mark.asyncio
