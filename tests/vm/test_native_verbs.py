@@ -261,39 +261,59 @@ async def _copies(session, count: int, **fields: int):
     return src, dst, ids, capsules
 
 
-@pytest.mark.asyncio
-async def test_a_copy_the_core_reads_is_open_until_its_read_lands(raw_session):
-    # Twelve 64 KiB copies in one post, then the last id again and a CANCEL of the one
-    # before. The agent handles every capsule of a pass before it takes the next send
-    # completion, so both find their job open, its READ out (DP-2.5-6, DP-2.3-2).
-    session, size = raw_session, 64 << 10
+async def _reused_and_cancelled(session) -> tuple[bool, bool]:
+    """Twelve 64 KiB copies in one post, then the last id again and a CANCEL of the one
+    before; checks every answer and byte. (whether the reused id was refused, whether the
+    CANCEL found its job open): either may also come after its job ended, if its READ
+    was in before the agent read the capsule."""
+    size = 64 << 10
     src, dst, ids, capsules = await _copies(session, 12)
     again, cancelled = ids[-1], ids[-2]
     capsules.append(wire.submit(again, JobKind.COPY, src.span(0, size), dst.span(15 * size, size)))
     capsules.append(wire.cancel(cancelled))
     await session.send(*capsules)
-    answers = [await session.completion() for _ in range(13)]
-    await session.quiet(0.5)
     by_id: dict[int, list[wire.Completion]] = {}
-    for answer in answers:
+    for _ in range(13):
+        answer = await session.completion()
         by_id.setdefault(answer.job_id, []).append(answer)
-    refused, done = sorted(by_id.pop(again), key=lambda a: a.start_ns)
-    assert (refused.state, refused.status, refused.start_ns) == (wire.St.FAILED, 3, 0), refused
-    assert done.ok, done
+    await session.quiet(0.3)
+    first, second = sorted(by_id.pop(again), key=lambda a: a.start_ns)
+    refused = not first.ok
+    if refused:  # no job made, the open one untouched
+        assert (first.state, first.status, first.start_ns) == (wire.St.FAILED, 3, 0), first
+    assert second.ok, second
     (stopped,) = by_id.pop(cancelled)
-    assert (stopped.state, stopped.message) == (wire.St.CANCELLED, "cancelled by request")
-    assert stopped.bytes_written == 0
+    cancelled_open = not stopped.ok
+    if cancelled_open:
+        assert (stopped.state, stopped.message) == (wire.St.CANCELLED, "cancelled by request")
+        assert stopped.bytes_written == 0
     assert all(a.ok for (a,) in by_id.values()), by_id
     view = bytes(dst.view)
     for n, job in enumerate(ids):
         got = view[n * size : (n + 1) * size]
-        if job == cancelled:  # the core wrote nothing for it once it was ended
+        if job == cancelled and cancelled_open:  # the core wrote nothing for it
             assert got == bytes(size)
         else:
             assert got == bytes(src.view[n * size : (n + 1) * size]), n
-    assert view[15 * size :] == bytes(size)  # the refused SUBMIT touched nothing
-    counters = (await session.get()).counters
-    assert (counters.jobs_native, counters.jobs_completed) == (11, 11)
+    # the refused SUBMIT touched nothing; one that came after its id's job ended ran
+    assert view[15 * size :] == (bytes(size) if refused else bytes(src.view[:size]))
+    return refused, cancelled_open
+
+
+@pytest.mark.asyncio
+async def test_a_copy_the_core_reads_is_open_until_its_read_lands(raw_session):
+    # A reused id and a CANCEL behind jobs whose READ is out find them open (DP-2.5-6,
+    # DP-2.3-2): the agent handles every capsule of a pass before it takes the next send
+    # completion. Capsules that arrive over several passes may find their job ended,
+    # so a few rounds, every answer checked in each, until both were seen open.
+    seen = [False, False]
+    for _ in range(6):
+        refused, cancelled = await _reused_and_cancelled(raw_session)
+        seen = [seen[0] or refused, seen[1] or cancelled]
+        if all(seen):
+            break
+    assert seen == [True, True], "a reused id or a CANCEL never found its job open"
+    assert (await raw_session.get()).counters.jobs_native >= 11
 
 
 @pytest.mark.asyncio
