@@ -113,11 +113,8 @@ typedef struct {
     uint32_t read_max;
     uint64_t default_deadline_ns;
     CoreJob *core;
-    unsigned int core_busy; /* slots not FREE */
-    unsigned int core_open; /* READING: jobs the pipeline holds open */
-    unsigned int core_wrs;  /* send-queue entries the busy slots hold (CORE_WRS each) */
+    unsigned int core_busy; /* slots not FREE: each holds CORE_WRS send-queue entries */
     PyObject *core_done;    /* [(job_id, end_ns, late)]: COMPLETIONs posted, for take_done() */
-    unsigned int core_answered; /* the length of core_done */
 } Qp;
 
 static int qp_live(Qp *self)
@@ -797,7 +794,6 @@ static void core_free(Qp *self, CoreJob *j)
 {
     j->state = CORE_FREE;
     self->core_busy--;
-    self->core_wrs -= CORE_WRS;
 }
 
 /* Start a READ-path COPY (core_copy said yes; a slot is free): take a slot, add the job
@@ -820,15 +816,12 @@ static int core_start(Qp *self, const uint8_t *c, uint64_t slot, uint64_t submit
                                                           : self->default_deadline_ns),
                    .length = length, .dst_rkey = dst_rkey, .state = CORE_READING};
     self->core_busy++;
-    self->core_open++;
-    self->core_wrs += CORE_WRS;
     PyObject *job = Py_BuildValue("(KIKIKIIKK)", (unsigned long long)job_id, length,
                                   (unsigned long long)src, src_rkey, (unsigned long long)dst,
                                   dst_rkey, deadline_ms, (unsigned long long)submit_ns,
                                   (unsigned long long)start_ns);
     if (!job || PyList_Append(started, job) < 0) {
         Py_XDECREF(job);
-        self->core_open--;
         core_free(self, j);
         return -1;
     }
@@ -844,10 +837,8 @@ static int core_start(Qp *self, const uint8_t *c, uint64_t slot, uint64_t submit
         wr.wr.rdma.rkey = src_rkey;
         *err = do_post(self, &wr);
     }
-    if (*err) {
-        self->core_open--;
+    if (*err)
         core_free(self, j);
-    }
     return 0;
 }
 
@@ -884,7 +875,6 @@ static int core_completion(Qp *self, uint64_t wr_id)
                                           j->length, 0, j->submit_ns, j->start_ns, end_ns, LATE)
                          : put_completion(out, j->job_id, 3 /* SUCCEEDED */, 0, j->length,
                                           j->length, j->submit_ns, j->start_ns, end_ns, NULL);
-    self->core_open--;
     struct ibv_sge sges[2] = {{.addr = (uintptr_t)(out + CORE_DATA), .length = j->length,
                                .lkey = self->read_lkey},
                               {.addr = (uintptr_t)out, .length = size, .lkey = self->read_lkey}};
@@ -909,7 +899,6 @@ static int core_completion(Qp *self, uint64_t wr_id)
         return -1;
     }
     Py_DECREF(done);
-    self->core_answered++;
     return 0;
 }
 
@@ -1058,7 +1047,6 @@ static PyObject *Qp_core_cancel(Qp *self, PyObject *arg)
             continue;
         if (j->state == CORE_READING) {
             j->state = CORE_DROPPED;
-            self->core_open--;
             Py_RETURN_TRUE;
         }
         sent |= j->state == CORE_SENDING;
@@ -1074,7 +1062,6 @@ static PyObject *Qp_take_done(Qp *self, PyObject *unused)
     if (!done || !PyList_GET_SIZE(done))
         Py_RETURN_NONE;
     self->core_done = NULL;
-    self->core_answered = 0;
     return done;
 }
 
@@ -1161,13 +1148,27 @@ static PyMethodDef Qp_methods[] = {
 static PyMemberDef Qp_members[] = {
     {"recv_errno", T_INT, offsetof(Qp, recv_errno), READONLY,
      "the errno of call()'s last RECV repost (0: it succeeded)"},
-    {"core_wrs", T_UINT, offsetof(Qp, core_wrs), READONLY,
-     "send-queue entries the READ path's jobs hold (2 each, from READ to SEND)"},
-    {"core_answered", T_UINT, offsetof(Qp, core_answered), READONLY,
-     "READ-path jobs answered that take_done() has not yet returned"},
     {"core_busy", T_UINT, offsetof(Qp, core_busy), READONLY,
      "READ ring slots in use (a job open, dropped with its READ out, or sending)"},
     {NULL, 0, 0, 0, NULL},
+};
+
+static PyObject *Qp_core_wrs(Qp *self, void *unused)
+{
+    return PyLong_FromUnsignedLong(self->core_busy * CORE_WRS);
+}
+
+static PyObject *Qp_core_answered(Qp *self, void *unused)
+{
+    return PyLong_FromSsize_t(self->core_done ? PyList_GET_SIZE(self->core_done) : 0);
+}
+
+static PyGetSetDef Qp_getset[] = {
+    {"core_wrs", (getter)Qp_core_wrs, NULL,
+     "send-queue entries the READ path's jobs hold (2 each, from READ to SEND)", NULL},
+    {"core_answered", (getter)Qp_core_answered, NULL,
+     "READ-path jobs answered that take_done() has not yet returned", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static void Qp_dealloc(Qp *self)
@@ -1190,6 +1191,7 @@ static PyTypeObject QpType = {
     .tp_init = (initproc)Qp_init,
     .tp_methods = Qp_methods,
     .tp_members = Qp_members,
+    .tp_getset = Qp_getset,
 };
 
 static PyMethodDef module_methods[] = {

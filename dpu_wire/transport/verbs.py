@@ -598,9 +598,8 @@ class _QueuePair:
         return self._config.send_depth - self._queued()
 
     def _queued(self) -> int:
-        """Send-queue entries taken: posted and not completed, a held WRITE, the core's."""
-        core = self._native
-        return len(self._sq) + (self._held is not None) + (core.core_wrs if core is not None else 0)
+        """Send-queue entries taken: posted and not completed (`outstanding`), a held WRITE."""
+        return self.outstanding + (self._held is not None)
 
     def send_room(self) -> int:
         """Capsules that can be sent now."""
