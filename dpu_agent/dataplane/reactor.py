@@ -103,6 +103,7 @@ class _Entry:
     last: float = 0.0  # last activity (monotonic)
     spin: float = 0.0  # this link's idle polling window (adaptive, see the module's text)
     writing: bool = False  # EPOLLOUT registered
+    watched: bool = True  # its descriptor is in the epoll set (until it fails)
     removed: bool = False
 
 
@@ -270,6 +271,17 @@ class Reactor:
         self._touched.pop(entry, None)
         if self._entries.get(entry.fd) is entry:  # not a newer link's reused descriptor
             del self._entries[entry.fd]
+            with contextlib.suppress(OSError, ValueError):
+                self._epoll.unregister(entry.fd)
+
+    def _unwatch(self, entry: _Entry) -> None:
+        """A failed link's descriptor leaves the epoll set until its owner removes it.
+
+        A failed tcp link keeps its socket until it is closed (DP-4-6), and a socket at
+        end of stream is readable on every wait: the reactor would spin on it.
+        """
+        if entry.watched and self._entries.get(entry.fd) is entry:
+            entry.watched = False
             with contextlib.suppress(OSError, ValueError):
                 self._epoll.unregister(entry.fd)
 
@@ -492,6 +504,7 @@ class Reactor:
                 if link.error is not None:
                     link.poll(entry.owner.sink, POLL_BUDGET)  # report what the failure ended
                     entry.owner.link_failed()
+                    self._unwatch(entry)
                 entry.owner.end_pass()
                 if not entry.polls and link.error is None:
                     self._settle(entry)

@@ -402,13 +402,17 @@ class FrameStream:
                 tx[0] = head[n:]
                 n = 0
 
+    def drop_queued(self) -> None:
+        """Forget the frames not sent yet; nothing more goes out of them."""
+        self._tx.clear()
+        self._tx_callbacks.clear()
+
     def close(self) -> None:
         """Close the socket; queued bytes are dropped."""
         if self.closed:
             return
         self.closed = True
-        self._tx.clear()
-        self._tx_callbacks.clear()
+        self.drop_queued()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
@@ -766,10 +770,15 @@ class TcpAgentLink(AgentLink, FrameHandler):
         return True
 
     def _fail(self, error: TransportError) -> TransportError:
+        """Fail the link: nothing more is read or sent, and `close` closes the socket.
+
+        The socket stays open until the owner, told of the failure, closes the link: the
+        host must not see the connection end before the session is FAILED (DP-4-6).
+        """
         if self.error is None:
             self.error = error.detached()
             log.warning("tcp data plane failed: %s", error)
-            self._stream.close()
+            self._stream.drop_queued()
         return self.error
 
     def close(self) -> None:

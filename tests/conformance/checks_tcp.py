@@ -349,6 +349,19 @@ async def a_host_that_does_not_read(ctx: Ctx) -> None:
     assert state.error.code == 14, state
 
 
+async def failed_before_the_close(ctx: Ctx) -> None:
+    """DP-4-6: the connection's end seen, `GetSession` answers FAILED at once (20 rounds)."""
+    for data in [wire.hello(os.urandom(32)), wire.frame(9)] * 10:
+        session = await ctx.open()
+        host = _host(session)
+        await host.send(data)
+        await asyncio.wait_for(host.eof.wait(), WAIT)
+        state = await session.get()
+        assert state.state == session_pb2.SESSION_STATE_FAILED, state
+        assert state.error.code == 14, state
+        await session.close()
+
+
 async def peer_closed(ctx: Ctx) -> None:
     """DP-3-8: the host closes its end, with or without a job running."""
     for busy in (False, True):

@@ -144,6 +144,7 @@ ROWS: Final = (
     Row("DP-4-3", BOTH, c4.failed_watch_streams),
     Row("DP-4-4", BOTH, c4.failed_takes_no_jobs),
     Row("DP-4-5", BOTH, c4.close_failed),
+    Row("DP-4-6", TCP, c3.failed_before_the_close),
     # 5 shutdown
     Row("DP-5-1", BOTH, c4.no_new_work_while_draining, "the shutdown scenario"),
     Row("DP-5-2", BOTH, c4.open_jobs_may_finish, "the shutdown scenario"),

@@ -617,7 +617,7 @@ async def test_short_sends_resume_where_they_stopped(limit):
 
 
 async def test_a_failed_link_leaves_the_reactor_when_removed():
-    """A link that failed closed its socket, so its descriptor reads -1: removing it must
+    """A failed link closed before it is removed has a descriptor of -1: removing it must
     still find its entry, or the reactor keeps it (and what it holds) and, once its
     failure is reported, goes on finishing its pass on every pass."""
     async with reactor() as r:
@@ -627,6 +627,8 @@ async def test_a_failed_link_leaves_the_reactor_when_removed():
         await host.close()
         with pytest.raises(PeerClosed):
             await agent.recv()
+        assert agent.link.fileno() != -1  # a failed link keeps its socket until closed
+        await r.call_async(agent.link.close)
         assert agent.link.fileno() == -1
         await agent.close()
 
