@@ -139,7 +139,9 @@ class TcpEndpoint(_message.Message):
     """tcp data-plane endpoint. The host's names its listener and the 32-byte token its
     HELLO frame will carry; the agent's carries only the token the agent's HELLO carries,
     and only in the OpenSession answer (GetSession and ListSessions leave it empty).
-    See docs/data-plane.md section 1.3.
+    The host's `host` must resolve to the address its gRPC call comes from (or to a
+    network `[dataplane] tcp_allow` lists): a host behind a port-forward or a proxy gets
+    PERMISSION_DENIED. See docs/data-plane.md section 1.3.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

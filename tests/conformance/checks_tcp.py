@@ -179,6 +179,21 @@ class RawAgent:
             return True
 
 
+async def host_hello_before_the_answer(ctx: Ctx) -> None:  # noqa: ARG001 - an SDK check
+    """DP-1.3-6 (the SDK): HELLO on every connection while no OpenSession answer came."""
+    link = sdk_tcp.TcpHostLink()
+    link.listen()
+    agent = RawAgent(link)
+    try:
+        # `connect` (the SDK calls it with the OpenSession answer) is never called here:
+        # each connection must get the host's HELLO all the same (RawAgent checks it)
+        socks = [await agent.connect() for _ in range(3)]
+        for sock in socks:
+            sock.close()
+    finally:
+        await link.close()
+
+
 async def host_keeps_the_right_connection(ctx: Ctx) -> None:  # noqa: ARG001 - an SDK check
     """DP-1.3-5 (the SDK)."""
     link = sdk_tcp.TcpHostLink()

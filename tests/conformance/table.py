@@ -68,6 +68,7 @@ ROWS: Final = (
     Row("DP-1.3-3", TCP, c1.every_failure_reads_the_same),
     Row("DP-1.3-4", TCP, c1.agent_hello),
     Row("DP-1.3-5", TCP, c3.host_keeps_the_right_connection, "the SDK's host link"),
+    Row("DP-1.3-6", TCP, c3.host_hello_before_the_answer, "the SDK's host link"),
     # 1.4 after the connection
     Row("DP-1.4-1", BOTH, c1.lease_metadata),
     Row("DP-1.4-2", BOTH, c4.sdk_holds_its_lease, "the SDK; short profile"),
