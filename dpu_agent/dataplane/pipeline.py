@@ -405,10 +405,16 @@ class Pipeline(LinkSink):
         """FastSink: the link answered these jobs of its own (their COMPLETION is posted).
 
         Each ends as the pipeline would have ended it: SUCCEEDED, or FAILED with
-        DEADLINE_EXCEEDED if its deadline had passed when its READ came in.
+        DEADLINE_EXCEEDED if its deadline had passed when its READ came in. An answer to
+        a job the link did not start, or that has ended, means the link and the pipeline
+        disagree: this session fails (not the agent, whose other sessions are sound).
         """
         opened, core, c = self.open, self._core, self.counters
+        strays = []
         for job_id, end_ns, late in done:
+            if job_id not in core:
+                strays.append(job_id)
+                continue
             job = opened.pop(job_id)
             core.discard(job_id)
             length = job.source.length
@@ -426,6 +432,9 @@ class Pipeline(LinkSink):
             c.bytes_read += length
             self._retain(job)
             self._finished.append(job)
+        if strays:
+            log.error("the native core answered jobs this session does not hold: %s", strays)
+            self.fail(TransportError(f"internal error: the link answered unknown jobs {strays}"))
         if self._waiting and len(opened) < self.queue_depth:
             self._serve_waiting()
 

@@ -196,6 +196,16 @@ static int do_post(Qp *self, struct ibv_send_wr *wr)
     return ibv_post_send(self->qp, wr, &bad);
 }
 
+/* do_post, also saying whether the chain's first request went out when a later one was
+ * refused (*partly: the device has it and may still read its buffer). */
+static int do_post_chain(Qp *self, struct ibv_send_wr *wr, int *partly)
+{
+    struct ibv_send_wr *bad = NULL;
+    int err = ibv_post_send(self->qp, wr, &bad);
+    *partly = err && bad && bad != wr;
+    return err;
+}
+
 /* send_copy's work, for it and call(): the errno of the post, or -1 with an exception
  * (nothing posted). args: wr_id, addr, room, lkey, head, tail. */
 static int copy_and_send(Qp *self, PyObject *const *args)
@@ -871,6 +881,11 @@ static int core_completion(Qp *self, uint64_t wr_id)
     uint8_t *out = (uint8_t *)(uintptr_t)(self->read_addr + idx * self->read_slot);
     int late = now_ns() > j->deadline_ns;
     uint64_t end_ns = realtime_ns();
+    /* made before the post: once the COMPLETION is out, the job must reach the list */
+    PyObject *done = Py_BuildValue("(KKi)", (unsigned long long)j->job_id,
+                                   (unsigned long long)end_ns, late);
+    if (!done)
+        return -1;
     uint32_t size = late ? put_completion(out, j->job_id, 4 /* FAILED */, 4 /* DEADLINE_EXCEEDED */,
                                           j->length, 0, j->submit_ns, j->start_ns, end_ns, LATE)
                          : put_completion(out, j->job_id, 3 /* SUCCEEDED */, 0, j->length,
@@ -886,20 +901,22 @@ static int core_completion(Qp *self, uint64_t wr_id)
                                 .opcode = IBV_WR_RDMA_WRITE};
     write.wr.rdma.remote_addr = j->dst;
     write.wr.rdma.rkey = j->dst_rkey;
-    int err = do_post(self, late ? &send : &write);
+    int partly = 0;
+    int err = do_post_chain(self, late ? &send : &write, &partly);
     if (err) {
-        core_free(self, j);
+        Py_DECREF(done);
+        /* The WRITE went out and its SEND did not: the device may still read the slot, so
+         * it stays taken (SENDING, with no SEND to free it); the link fails on this. */
+        if (partly)
+            j->state = CORE_SENDING;
+        else
+            core_free(self, j);
         return err;
     }
     j->state = CORE_SENDING;
-    PyObject *done = Py_BuildValue("(KKi)", (unsigned long long)j->job_id,
-                                   (unsigned long long)end_ns, late);
-    if (!done || PyList_Append(self->core_done, done) < 0) {
-        Py_XDECREF(done);
-        return -1;
-    }
+    int appended = PyList_Append(self->core_done, done);
     Py_DECREF(done);
-    return 0;
+    return appended < 0 ? -1 : 0;
 }
 
 /* serve(budget, next_wr_id, room, job_room)
@@ -1031,10 +1048,25 @@ error:
     return NULL;
 }
 
+/* Whether `job_id` is on the done list: answered, not taken yet (its slot may be free
+ * already, its SEND having completed). */
+static int core_answered_id(Qp *self, uint64_t job_id)
+{
+    PyObject *done = self->core_done;
+    for (Py_ssize_t i = 0; done && i < PyList_GET_SIZE(done); i++) {
+        PyObject *id = PyTuple_GET_ITEM(PyList_GET_ITEM(done, i), 0);
+        if (PyLong_AsUnsignedLongLong(id) == job_id)
+            return 1;
+    }
+    return 0;
+}
+
 /* core_cancel(job_id) -> bool: the pipeline ends a job the core started (CANCEL, its
  * deadline, the link failed, the session closes). True: the core will not WRITE for it
  * (its READ, if out, keeps the slot until it completed); False: its COMPLETION was
- * posted already and it is on the done list (take_done), finished. */
+ * posted already, finished (the pipeline takes it from the done list, take_done). Its
+ * SEND may have completed, freeing the slot, before the done list was taken: the list
+ * is looked at too, or such a job would be ended twice. */
 static PyObject *Qp_core_cancel(Qp *self, PyObject *arg)
 {
     uint64_t job_id;
@@ -1051,7 +1083,7 @@ static PyObject *Qp_core_cancel(Qp *self, PyObject *arg)
         }
         sent |= j->state == CORE_SENDING;
     }
-    return PyBool_FromLong(!sent);
+    return PyBool_FromLong(!sent && !core_answered_id(self, job_id));
 }
 
 /* take_done() -> [(job_id, end_ns, late), ...] or None: the READ-path jobs whose

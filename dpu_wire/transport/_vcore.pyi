@@ -57,4 +57,50 @@ class Qp:
     def poll_recv(self) -> tuple[int, int, int] | None: ...
     def spin_recv(self, timeout_ns: int, /) -> tuple[int, int, int] | None: ...
     def wait_any(self, timeout_ns: int, /) -> bool: ...
+    def call(
+        self,
+        wr_id: int,
+        addr: int,
+        room: int,
+        lkey: int,
+        head: bytes | memoryview,
+        tail: bytes | memoryview | None,
+        job_id: int,
+        timeout_ns: int,
+        /,
+    ) -> tuple[int, int, int, int, int, int, int, int, int, str] | None: ...
+    def fast_setup(
+        self, addr: int, lkey: int, slot_bytes: int, slots: int, inline_max: int, /
+    ) -> None: ...
+    def set_regions(self, regions: list[tuple[int, int, int, int]], /) -> None: ...
+    def read_setup(
+        self,
+        addr: int,
+        lkey: int,
+        slot_bytes: int,
+        slots: int,
+        max_bytes: int,
+        default_deadline_ms: int,
+        /,
+    ) -> None: ...
+    def serve(
+        self, budget: int, next_wr_id: int, room: int, job_room: int, /
+    ) -> tuple[
+        int,
+        list[tuple[int, ...]],
+        list[tuple[int, ...]],
+        tuple[int, int, int] | None,
+        int,
+        int,
+    ]: ...
+    def core_cancel(self, job_id: int, /) -> bool: ...
+    def take_done(self) -> list[tuple[int, int, int]] | None: ...
     def close(self) -> None: ...
+    @property
+    def recv_errno(self) -> int: ...
+    @property
+    def core_busy(self) -> int: ...
+    @property
+    def core_wrs(self) -> int: ...
+    @property
+    def core_answered(self) -> int: ...

@@ -1020,7 +1020,12 @@ class _QueuePair:
         taken = 0
         while taken < budget and not self._closed:
             job_room = 0
-            if fast is not None and self._held is None and not self._unreported:
+            if (
+                fast is not None
+                and self._held is None
+                and not self._unreported
+                and self.error is None
+            ):  # a failed link starts nothing (its send queue's room is not known)
                 job_room = fast.fast_room()
             if fast is not None and job_room > 0:
                 served, more = self._serve_fast(sink, fast, budget - taken, job_room)

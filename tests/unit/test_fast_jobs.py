@@ -311,3 +311,16 @@ def test_jobs_the_link_started_fail_with_the_link_and_pass_their_deadline():
     )
     assert link.cancelled == [2, 1]
     assert not pipe.open
+
+
+def test_an_answer_to_a_job_the_link_did_not_start_fails_the_session_not_the_agent():
+    # The link and the pipeline disagree (a bug, or a peer that found one): the session
+    # ends, with its open jobs; raising here would end the reactor and every session.
+    pipe, _, _, _ = _pipeline()
+    pipe.on_core_jobs([_core(1)])
+    pipe.on_core_done([(99, time.time_ns(), 0)])
+    assert pipe.failed
+    job = pipe.retained[1]
+    assert (job.state, job.status) == (JobState.FAILED, status.UNAVAILABLE)
+    assert "answered unknown jobs [99]" in job.message
+    assert not pipe.open

@@ -13,6 +13,7 @@ import types
 from typing import Any
 
 from dpu_wire.transport import verbs
+from dpu_wire.transport.base import TransportError
 
 
 class _Core:
@@ -49,7 +50,9 @@ class _Sink:
         self.started.extend(jobs)
 
 
-def _link(core: _Core, sink: _Sink) -> tuple[Any, list[tuple[int, int, int]]]:
+def _link(
+    core: _Core, sink: _Sink, error: TransportError | None = None
+) -> tuple[Any, list[tuple[int, int, int]]]:
     qp: Any = object.__new__(verbs._QueuePair)
     handed: list[tuple[int, int, int]] = []
 
@@ -61,6 +64,7 @@ def _link(core: _Core, sink: _Sink) -> tuple[Any, list[tuple[int, int, int]]]:
     qp.__dict__.update(
         _native=core,
         _fast=sink,
+        error=error,
         _held=None,
         _unreported=[],
         _closed=False,
@@ -95,3 +99,13 @@ def test_without_room_for_the_core_the_pipeline_takes_the_capsules():
     assert qp._poll_recv_native(object(), 16) == 0
     assert core.calls == ["poll_recv"]
     assert not handed
+
+
+def test_a_failed_link_starts_no_jobs_in_the_core():
+    # The link failed (a READ of the core's was refused) before the pipeline heard of
+    # it: capsules that had arrived must not start jobs on the dead queue pair, whose
+    # send queue's room is no longer known (the failure dropped its records).
+    core = _Core([])
+    qp, _ = _link(core, _Sink(room=8), TransportError("the host refused a READ"))
+    qp._poll_recv_native(object(), 16)
+    assert core.calls == ["poll_recv"]
