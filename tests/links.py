@@ -86,6 +86,14 @@ class StandInLink(AgentLink):
         os.close(self._fd)
 
 
+class NoStaging:
+    """A pipeline's staging for tests whose jobs take no buffer (inline, trims, the
+    core's): no job ever waits for one, so ending the session drops no waiter."""
+
+    def drop_waiters(self) -> None:
+        pass
+
+
 class StandInOwner(LinkSink):
     """A session for tests of the reactor: it is its own sink and posts nothing; a
     subclass says what to do with each capsule."""

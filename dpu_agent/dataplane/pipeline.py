@@ -1101,11 +1101,25 @@ class Pipeline(LinkSink):
             return
         self.failed = True
         message = f"data plane failed: {error}"
+        self._stop_starting()
         for job in list(self.open.values()):
             self._end(job, self._run_of.get(job.job_id), State.FAILED, status.UNAVAILABLE, message)
         self._backlog.clear()
         self._hooks.data_plane_failed(error)
         self._answer_waiting()
+
+    def _stop_starting(self) -> None:
+        """The session ends: no job that waits for staging buffers or a storage slot starts.
+
+        Each open job is then ended as it is. Otherwise every job ended hands its buffers
+        to the next one waiting, which is launched (its runner made, its first operation
+        posted on a link that is gone) only to be ended in turn: a session with a long
+        queue held the reactor, and every other session, for a second.
+        """
+        self._staging.drop_waiters()
+        for run in self._storage_waiting:
+            run.waits_for_storage = False
+        self._storage_waiting.clear()
 
     def _answer_waiting(self) -> None:
         """The session takes no jobs any more: answer who waits for a slot (with why)."""
@@ -1119,10 +1133,10 @@ class Pipeline(LinkSink):
         if self.closed:
             done()
             return
+        self._stop_starting()
         for job in list(self.open.values()):
             self._end(job, self._run_of.get(job.job_id), state, code, reason)
         self._answer_waiting()
-        self._staging.drop_waiters()
         self.end_pass()
         deadline = time.monotonic() + CLOSE_DRAIN_S
 

@@ -23,6 +23,7 @@ from dpu_wire import capsule
 from dpu_wire.capsule import Span
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
 from dpu_wire.transport.base import Access, TransportError
+from tests.links import NoStaging
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.reactor import Reactor
@@ -103,7 +104,7 @@ def _pipeline() -> tuple[pipeline.Pipeline, _Link, _Hooks, RegionTable]:
         hooks=cast("pipeline.SessionHooks", hooks),
         link=cast("AgentLink", link),
         reactor=cast("Reactor", _Reactor()),
-        staging=cast("Staging", None),
+        staging=cast("Staging", NoStaging()),
         regions=regions,
         storage=None,
         queue_depth=4,

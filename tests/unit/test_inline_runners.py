@@ -23,6 +23,7 @@ from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_FUA, FLAG_INLINE, JobKind
 from dpu_wire.transport.base import TransportError
+from tests.links import NoStaging
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -197,7 +198,7 @@ def _pipeline(
         hooks=cast("pipeline.SessionHooks", hooks),
         link=cast("AgentLink", link),
         reactor=cast("Reactor", reactor or _Reactor()),
-        staging=cast("Staging", None),
+        staging=cast("Staging", NoStaging()),
         regions=RegionTable(),
         storage=cast("runners.Storage", store),
         queue_depth=queue_depth,

@@ -24,6 +24,7 @@ from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
 from dpu_wire.transport.base import TransportError
+from tests.links import NoStaging
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -157,7 +158,7 @@ def _pipeline(
         hooks=cast("pipeline.SessionHooks", _Hooks()),
         link=cast("AgentLink", link),
         reactor=cast("Reactor", reactor),
-        staging=cast("Staging", None),  # trims take no staging buffer
+        staging=cast("Staging", NoStaging()),  # trims take no staging buffer
         regions=RegionTable(),
         storage=cast("Storage", store or _Store()),
         queue_depth=queue_depth,

@@ -1,0 +1,126 @@
+"""A session that fails ends its jobs without starting the ones that wait (close too).
+
+Jobs beyond the staging buffers wait for one (data-plane.md 2.6). When the session ends,
+each open job is ended as it is: an ended job's buffers must not be handed to the next
+one waiting, which would be launched (its runner made, its READ posted on a link that is
+gone) only to be ended in turn. A hostile host that kept 16 sessions' queues full made
+each such end hold the reactor, and every other session, for up to a second.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import TYPE_CHECKING, cast
+
+from dpu_agent.dataplane import pipeline
+from dpu_agent.dataplane.jobs import JobState
+from dpu_agent.dataplane.regions import AdvertisedRegion, RegionTable
+from dpu_agent.dataplane.staging import Staging
+from dpu_wire import capsule
+from dpu_wire.capsule import Span
+from dpu_wire.jobkinds import JobKind
+from dpu_wire.transport.base import Access, TransportError
+
+if TYPE_CHECKING:
+    from dpu_agent.dataplane.reactor import Reactor
+    from dpu_wire.transport.base import AgentLink, Region
+
+CHUNK = 1 << 20
+JOBS = 6
+
+
+class _Link:
+    """Records the READs the pipeline posts; everything else is accepted."""
+
+    inline_max = 0
+    error = None
+    outstanding = 0
+
+    def __init__(self) -> None:
+        self.reads: list[int] = []  # the token of each READ posted
+
+    def staging(self, length: int) -> object:
+        return types.SimpleNamespace(view=memoryview(bytearray(length)))
+
+    def release(self, _region: Region) -> None:
+        pass
+
+    def fast_regions(self, _regions: object, _sink: object) -> bool:
+        return False
+
+    def room(self) -> int:
+        return 1 << 20
+
+    def post_read(self, *operands: object) -> None:
+        self.reads.append(cast("int", operands[-1]))
+
+    def post_send(self, _message: bytes, _token: int | None = None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+class _Hooks:
+    def check_accepting(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return True
+
+    def finished(self, _jobs: object) -> None:
+        pass
+
+    def rejected(self) -> None:
+        pass
+
+    def data_plane_failed(self, _error: object) -> None:
+        pass
+
+
+class _Reactor:
+    def wake(self, _link: object) -> None:
+        pass
+
+    def call(self, _fn: object) -> None:
+        pass
+
+    def call_later(self, _seconds: float, _fn: object) -> object:
+        return types.SimpleNamespace(cancel=lambda: None)
+
+
+def _session() -> tuple[pipeline.Pipeline, _Link]:
+    link = _Link()
+    regions = RegionTable()
+    regions.add(AdvertisedRegion("src", 0x100000, CHUNK, 1, Access.REMOTE_READ))
+    regions.add(AdvertisedRegion("dst", 0x200000, CHUNK, 2, Access.REMOTE_WRITE))
+    staging = Staging(cast("AgentLink", link), queue_depth=JOBS, chunk_size=CHUNK, large=1)
+    pipe = pipeline.Pipeline(
+        hooks=cast("pipeline.SessionHooks", _Hooks()),
+        link=cast("AgentLink", link),
+        reactor=cast("Reactor", _Reactor()),
+        staging=staging,
+        regions=regions,
+        storage=None,
+        queue_depth=JOBS,
+        default_deadline=30.0,
+    )
+    for job_id in range(1, JOBS + 1):  # 1 MiB copies: one large buffer, so one runs
+        submit = capsule.pack_submit(
+            job_id, JobKind.COPY, Span(0x100000, CHUNK, 1), Span(0x200000, CHUNK, 2)
+        )
+        pipe.on_capsule(memoryview(submit))
+    assert len(link.reads) == 1  # job 1's READ; jobs 2..6 wait for its buffer
+    return pipe, link
+
+
+def test_a_failed_session_starts_none_of_the_jobs_waiting_for_buffers():
+    pipe, link = _session()
+    # The link fails: it reports job 1's READ with the error, which fails the session;
+    # job 1, idle then, hands its buffer back while the other jobs are still open.
+    pipe.on_done(link.reads[0], TransportError("the host went away"))
+    assert pipe.failed
+    assert len(link.reads) == 1, "a waiting job was launched on the failed link"
+    assert not pipe.open
+    ended = [pipe.retained[job_id] for job_id in range(1, JOBS + 1)]
+    assert {(job.state, job.start_ns == 0) for job in ended[1:]} == {(JobState.FAILED, True)}
