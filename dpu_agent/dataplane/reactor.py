@@ -9,11 +9,12 @@ and runs a loop:
 2. run what other threads handed over (`call`): new sessions, SubmitJob requests,
    finished worker-thread work, close requests;
 3. poll every hot link, in turn, for at most `POLL_BUDGET` completions and capsules
-   each: they go to the link's sink (the session), which advances its jobs and posts
-   their next operations right away. The budget is what keeps sessions apart: a host
-   that floods its link with capsules gets the same share of each pass as every other
-   hot link, and the rest of its flood waits (in the link, then in the kernel's
-   socket buffer, then in the host: TCP flow control);
+   per tenant, shared by that tenant's hot links: they go to the link's sink (the
+   session), which advances its jobs and posts their next operations right away. The
+   budget is what keeps tenants apart: a host that floods its links with capsules gets
+   the same share of each pass as every other tenant with work, however many sessions
+   it opens, and the rest of its flood waits (in the link, then in the kernel's socket
+   buffer, then in the host: TCP flow control);
 4. run due timers (deadlines, QoS waits);
 5. give every session touched in this pass one call to finish the pass (flush the
    link, publish the jobs that finished; a tcp link's owner gets another call at once
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-POLL_BUDGET: Final = 64  # completions and capsules taken from one link per pass
+POLL_BUDGET: Final = 64  # completions and capsules taken per pass from one tenant's hot links
 CANCELLED_TIMERS_KEPT: Final = 64  # cancelled timers left in the heap before it is compacted
 MAX_WAIT: Final = 1.0  # seconds the loop sleeps at most (overdue tcp requests are checked)
 SETTLE_ROUNDS: Final = 4  # arm/end_pass rounds that end a tcp link's pass (see _settle)
@@ -103,12 +104,22 @@ class _Entry:
     last: float = 0.0  # last activity (monotonic)
     spin: float = 0.0  # this link's idle polling window (adaptive, see the module's text)
     writing: bool = False  # EPOLLOUT registered
+    tenant: object = None  # whose link: its hot links share one budget a pass
     watched: bool = True  # its descriptor is in the epoll set (until it fails)
     removed: bool = False
 
 
 def _nothing() -> None:
     pass
+
+
+def _shares(hot: list[_Entry]) -> dict[object, int]:
+    """Each tenant's budget per hot link this pass: `POLL_BUDGET` split among its links."""
+    links: dict[object, int] = {}
+    for entry in hot:
+        if not entry.removed:
+            links[entry.tenant] = links.get(entry.tenant, 0) + 1
+    return {tenant: max(1, POLL_BUDGET // n) for tenant, n in links.items()}
 
 
 class Timer:
@@ -251,10 +262,15 @@ class Reactor:
 
     # ------------------------------------------------------------ on the reactor thread
 
-    def add(self, link: AgentLink, owner: LinkOwner) -> None:
-        """Take a connected link over (the owner's sink gets its completions)."""
+    def add(self, link: AgentLink, owner: LinkOwner, tenant: object = None) -> None:
+        """Take a connected link over (the owner's sink gets its completions).
+
+        `tenant`: the links of one tenant share one `POLL_BUDGET` a pass (None: a
+        tenant of its own).
+        """
         fd = link.fileno()
         entry = _Entry(link, owner, fd, polls=link.needs_polling, last=time.monotonic())
+        entry.tenant = entry if tenant is None else tenant
         self._entries[fd] = entry
         self._by_link[link] = entry
         self._epoll.register(fd, _EPOLLIN)
@@ -463,15 +479,18 @@ class Reactor:
         return MAX_WAIT
 
     def _poll_hot(self) -> bool:
-        """Poll every hot link; whether any had something."""
+        """Poll every hot link, a tenant's sharing one budget; whether any had something."""
         now = time.monotonic()
         touched = self._touched
         found = False
-        for entry in self._hot:
+        hot = self._hot
+        shares = _shares(hot) if len(hot) > 1 else None
+        for entry in hot:
             if entry.removed:
                 continue
             link = entry.link
-            if link.poll(entry.owner.sink, POLL_BUDGET):
+            budget = POLL_BUDGET if shares is None else shares[entry.tenant]
+            if link.poll(entry.owner.sink, budget):
                 entry.last = now
                 touched[entry] = None
                 found = True

@@ -164,7 +164,7 @@ class Session(SessionHooks):
         """The link is connected: hand it to the reactor and take jobs."""
         self.state = SessionState.ACTIVE
         pipeline = self._pipeline
-        self._reactor.call(lambda: self._reactor.add(self.link, pipeline))
+        self._reactor.call(lambda: self._reactor.add(self.link, pipeline, self.tenant))
 
     async def close(self, reason: str = "session closed") -> None:
         """Cancel open jobs (their completions are sent), destroy the data plane. Idempotent."""

@@ -88,3 +88,40 @@ def test_hot_links_take_turns_of_one_budget_and_no_capsule_is_stranded():
         ("B", 7),
         ("A", a_count - 4 * POLL_BUDGET),
     ]
+
+
+def test_a_tenants_links_share_one_budget_a_pass():
+    """Tenant x floods four links, tenant y one: each pass gives x's links a quarter of
+    the budget each and y's link the whole of it, so opening more sessions gives a host
+    no larger share of the reactor than any other tenant's."""
+    each, b_count = POLL_BUDGET, 3 * POLL_BUDGET
+    names = ["A1", "A2", "A3", "A4"]
+    order: list[str] = []
+    all_in = threading.Event()
+    total = len(names) * each + b_count
+
+    def done() -> None:
+        if len(order) == total:
+            all_in.set()
+
+    reactor = Reactor(spin=0.002, compute_workers=1, io_workers=1)
+    links = {name: _BacklogLink(name, each) for name in names}
+    links["B"] = _BacklogLink("B", b_count)
+    owners = {name: _Owner(name, order, done) for name in links}
+    reactor.start()
+    try:
+
+        def add_all() -> None:  # in one pass: all hot from the same one
+            for name, link in links.items():
+                reactor.add(link, owners[name], "y" if name == "B" else "x")
+
+        reactor.call(add_all)
+        assert all_in.wait(10), f"stranded: {len(order)} of {total} handed over"
+    finally:
+        reactor.stop(timeout=5)
+        for link in links.values():
+            link.close()
+    quarter = POLL_BUDGET // len(names)
+    runs = [(name, len(list(run))) for name, run in itertools.groupby(order)]
+    a_pass = [(name, quarter) for name in names]
+    assert runs == [*a_pass, ("B", POLL_BUDGET)] * 3 + a_pass
