@@ -14,9 +14,11 @@ import collections
 import contextlib
 import itertools
 import os
+import types
 from typing import TYPE_CHECKING
 
 from dpu_agent.dataplane.reactor import Reactor
+from dpu_agent.errors import Unavailable
 from dpu_wire.capsule import MAX_CAPSULE
 from dpu_wire.transport import tcp
 from dpu_wire.transport.base import AgentLink, LinkSink, TransportError
@@ -84,6 +86,40 @@ class StandInLink(AgentLink):
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+class StandInHooks:
+    """A pipeline's session for tests: records what it publishes; `draining` refuses jobs."""
+
+    def __init__(self) -> None:
+        self.published: list[object] = []
+        self.draining = False
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise Unavailable("the agent is shutting down and takes no new jobs")
+
+    def ready(self) -> bool:
+        return not self.draining
+
+    def finished(self, jobs: list[object]) -> None:
+        self.published.extend(jobs)
+
+    def rejected(self) -> None:
+        pass
+
+    def data_plane_failed(self, _error: object) -> None:
+        pass
+
+
+class StandInReactor:
+    """A pipeline's reactor for tests: its timers never fire."""
+
+    def wake(self, _link: object) -> None:
+        pass
+
+    def call_later(self, _seconds: float, _fn: object) -> object:
+        return types.SimpleNamespace(cancel=lambda: None)
 
 
 class NoStaging:

@@ -18,12 +18,11 @@ from dpu_agent import status
 from dpu_agent.dataplane import pipeline
 from dpu_agent.dataplane.jobs import JobRecord, JobState, Origin
 from dpu_agent.dataplane.regions import AdvertisedRegion, RegionTable
-from dpu_agent.errors import Unavailable
 from dpu_wire import capsule
 from dpu_wire.capsule import Span
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
 from dpu_wire.transport.base import Access, TransportError
-from tests.links import NoStaging
+from tests.links import NoStaging, StandInHooks, StandInReactor
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.reactor import Reactor
@@ -68,42 +67,12 @@ class _Link:
         pass
 
 
-class _Hooks:
-    def __init__(self) -> None:
-        self.published: list[object] = []
-        self.draining = False
-
-    def check_accepting(self) -> None:
-        if self.draining:
-            raise Unavailable("the agent is shutting down and takes no new jobs")
-
-    def ready(self) -> bool:
-        return not self.draining
-
-    def finished(self, jobs: list[object]) -> None:
-        self.published.extend(jobs)
-
-    def rejected(self) -> None:
-        pass
-
-    def data_plane_failed(self, _error: object) -> None:
-        pass
-
-
-class _Reactor:
-    def wake(self, _link: object) -> None:
-        pass
-
-    def call_later(self, _seconds: float, _fn: object) -> object:
-        return type("T", (), {"cancel": lambda _self: None})()
-
-
-def _pipeline() -> tuple[pipeline.Pipeline, _Link, _Hooks, RegionTable]:
-    link, hooks, regions = _Link(), _Hooks(), RegionTable()
+def _pipeline() -> tuple[pipeline.Pipeline, _Link, StandInHooks, RegionTable]:
+    link, hooks, regions = _Link(), StandInHooks(), RegionTable()
     pipe = pipeline.Pipeline(
         hooks=cast("pipeline.SessionHooks", hooks),
         link=cast("AgentLink", link),
-        reactor=cast("Reactor", _Reactor()),
+        reactor=cast("Reactor", StandInReactor()),
         staging=cast("Staging", NoStaging()),
         regions=regions,
         storage=None,

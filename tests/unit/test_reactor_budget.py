@@ -53,35 +53,46 @@ class _Owner(StandInOwner):
         self._done()
 
 
+def _handed_over(counts: dict[str, int], tenants: dict[str, str] | None = None) -> list[str]:
+    """Each link's name, once per capsule the reactor handed over, in order.
+
+    `counts`: each link's backlog, all added (and hot) in one pass, in this order;
+    `tenants`: a link's tenant (else one of its own).
+    """
+    order: list[str] = []
+    all_in = threading.Event()
+    total = sum(counts.values())
+
+    def done() -> None:
+        if len(order) == total:
+            all_in.set()
+
+    reactor = Reactor(spin=0.002, compute_workers=1, io_workers=1)
+    links = {name: _BacklogLink(name, count) for name, count in counts.items()}
+    owners = {name: _Owner(name, order, done) for name in links}
+    reactor.start()
+    try:
+
+        def add_all() -> None:  # in one pass: all hot from the same one
+            for name, link in links.items():
+                reactor.add(link, owners[name], (tenants or {}).get(name))
+
+        reactor.call(add_all)
+        assert all_in.wait(10), f"stranded: {len(order)} of {total} handed over"
+    finally:
+        reactor.stop(timeout=5)
+        for link in links.values():
+            link.close()
+    return order
+
+
 def test_hot_links_take_turns_of_one_budget_and_no_capsule_is_stranded():
     """A: a backlog of ten budgets and a bit, B: three and a bit, both readable once.
     Each pass polls A, then B, a budget each: B never waits behind more than one budget
     of A's, and once B's backlog is gone A goes on alone until its own is. Every capsule
     is handed over although neither descriptor becomes readable again."""
     a_count, b_count = 10 * POLL_BUDGET + 5, 3 * POLL_BUDGET + 7
-    order: list[str] = []
-    all_in = threading.Event()
-
-    def done() -> None:
-        if len(order) == a_count + b_count:
-            all_in.set()
-
-    reactor = Reactor(spin=0.002, compute_workers=1, io_workers=1)
-    links = {"A": _BacklogLink("A", a_count), "B": _BacklogLink("B", b_count)}
-    owners = {name: _Owner(name, order, done) for name in links}
-    reactor.start()
-    try:
-
-        def add_both() -> None:  # in one pass: both hot from the same one
-            for name, link in links.items():
-                reactor.add(link, owners[name])
-
-        reactor.call(add_both)
-        assert all_in.wait(10), f"stranded: {len(order)} of {a_count + b_count} handed over"
-    finally:
-        reactor.stop(timeout=5)
-        for link in links.values():
-            link.close()
+    order = _handed_over({"A": a_count, "B": b_count})
     runs = [(name, len(list(run))) for name, run in itertools.groupby(order)]
     assert runs == [("A", POLL_BUDGET), ("B", POLL_BUDGET)] * 3 + [
         ("A", POLL_BUDGET),
@@ -94,33 +105,9 @@ def test_a_tenants_links_share_one_budget_a_pass():
     """Tenant x floods four links, tenant y one: each pass gives x's links a quarter of
     the budget each and y's link the whole of it, so opening more sessions gives a host
     no larger share of the reactor than any other tenant's."""
-    each, b_count = POLL_BUDGET, 3 * POLL_BUDGET
     names = ["A1", "A2", "A3", "A4"]
-    order: list[str] = []
-    all_in = threading.Event()
-    total = len(names) * each + b_count
-
-    def done() -> None:
-        if len(order) == total:
-            all_in.set()
-
-    reactor = Reactor(spin=0.002, compute_workers=1, io_workers=1)
-    links = {name: _BacklogLink(name, each) for name in names}
-    links["B"] = _BacklogLink("B", b_count)
-    owners = {name: _Owner(name, order, done) for name in links}
-    reactor.start()
-    try:
-
-        def add_all() -> None:  # in one pass: all hot from the same one
-            for name, link in links.items():
-                reactor.add(link, owners[name], "y" if name == "B" else "x")
-
-        reactor.call(add_all)
-        assert all_in.wait(10), f"stranded: {len(order)} of {total} handed over"
-    finally:
-        reactor.stop(timeout=5)
-        for link in links.values():
-            link.close()
+    counts = dict.fromkeys(names, POLL_BUDGET) | {"B": 3 * POLL_BUDGET}
+    order = _handed_over(counts, {name: "y" if name == "B" else "x" for name in counts})
     quarter = POLL_BUDGET // len(names)
     runs = [(name, len(list(run))) for name, run in itertools.groupby(order)]
     a_pass = [(name, quarter) for name in names]

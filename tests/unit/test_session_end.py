@@ -20,6 +20,7 @@ from dpu_wire import capsule
 from dpu_wire.capsule import Span
 from dpu_wire.jobkinds import JobKind
 from dpu_wire.transport.base import Access, TransportError
+from tests.links import StandInHooks, StandInReactor
 
 if TYPE_CHECKING:
     from dpu_agent.dataplane.reactor import Reactor
@@ -61,34 +62,6 @@ class _Link:
         pass
 
 
-class _Hooks:
-    def check_accepting(self) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return True
-
-    def finished(self, _jobs: object) -> None:
-        pass
-
-    def rejected(self) -> None:
-        pass
-
-    def data_plane_failed(self, _error: object) -> None:
-        pass
-
-
-class _Reactor:
-    def wake(self, _link: object) -> None:
-        pass
-
-    def call(self, _fn: object) -> None:
-        pass
-
-    def call_later(self, _seconds: float, _fn: object) -> object:
-        return types.SimpleNamespace(cancel=lambda: None)
-
-
 def _session() -> tuple[pipeline.Pipeline, _Link]:
     link = _Link()
     regions = RegionTable()
@@ -96,9 +69,9 @@ def _session() -> tuple[pipeline.Pipeline, _Link]:
     regions.add(AdvertisedRegion("dst", 0x200000, CHUNK, 2, Access.REMOTE_WRITE))
     staging = Staging(cast("AgentLink", link), queue_depth=JOBS, chunk_size=CHUNK, large=1)
     pipe = pipeline.Pipeline(
-        hooks=cast("pipeline.SessionHooks", _Hooks()),
+        hooks=cast("pipeline.SessionHooks", StandInHooks()),
         link=cast("AgentLink", link),
-        reactor=cast("Reactor", _Reactor()),
+        reactor=cast("Reactor", StandInReactor()),
         staging=staging,
         regions=regions,
         storage=None,
