@@ -190,6 +190,8 @@ class Pump:
         self.error: BaseException | None = None
 
     # LinkOwner
+    futile = 0  # LinkOwner: nothing these charge a tenant
+
     @property
     def sink(self) -> LinkSink:
         """This pump."""

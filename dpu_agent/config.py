@@ -28,6 +28,9 @@ Example file (every key optional):
     queue_depth = 32              # default jobs in flight per session (1-1024)
     max_sessions = 64             # sessions the agent serves at once
     max_sessions_per_connection = 8   # sessions one client connection (gRPC peer) holds
+    refusals_per_s = 1000         # capsules a tenant may send a second that run no job
+                                  # (refused, failed at admission, CANCEL of no open job);
+                                  # past it its links are not read for a while; 0 = no limit
     orphan_timeout = 10.0         # seconds a session lives after its last watcher left
     first_watch_timeout = 5.0     # seconds a new session lives if no host ever watches it
     failed_retention = 30.0       # seconds a FAILED session stays listed
@@ -167,6 +170,7 @@ class AgentConfig:
     queue_depth: int = 32
     max_sessions: int = 64
     max_sessions_per_connection: int = 8
+    refusals_per_s: int = 1000
     orphan_timeout: float = 10.0
     first_watch_timeout: float = 5.0
     failed_retention: float = 30.0
@@ -512,6 +516,16 @@ SETTINGS: Final = (
         "DPU_AGENT_MAX_SESSIONS_PER_CONNECTION",
         _integer(1, 4096),
         "sessions one client connection may hold",
+    ),
+    Setting(
+        "dataplane",
+        "refusals_per_s",
+        "refusals_per_s",
+        "DPU_AGENT_REFUSALS_PER_S",
+        _integer(100, 1_000_000, off=NO_LIMIT),
+        "capsules a tenant may send a second that run no job (refused, failed at "
+        "admission, a CANCEL of no open job); past it its data-plane links are not read "
+        "until the allowance refills",
     ),
     Setting(
         "dataplane",

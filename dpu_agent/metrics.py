@@ -54,6 +54,10 @@ with the agent):
                                                in error, corrupt stream, socket errors)
     capsules_rejected_total                    capsules answered without making a job
                                                (undecodable, duplicate or reserved id)
+    dataplane_tenant_pauses_total{tenant}      times a tenant's data-plane links were
+                                               not read for a while: it sent more
+                                               capsules that ran no job than
+                                               [dataplane] refusals_per_s allows
     mqtt_events_queued_total                   completions accepted into the backlog
     mqtt_events_published_total                ... acknowledged by the broker
     mqtt_events_dropped_total                  ... lost: backlog full (the newest of
@@ -370,9 +374,18 @@ class _StateCollector(Collector):
         for pool, (now, most) in sorted(manager.offload_load().items()):
             waiting.add_metric([pool], now)
             peak.add_metric([pool], most)
+        pauses = CounterMetricFamily(
+            f"{PREFIX}_dataplane_tenant_pauses",
+            "Times a tenant's data-plane links were not read: it spent its allowance of "
+            "capsules that run no job",
+            labels=["tenant"],
+        )
+        for tenant, count in sorted(manager.tenant_pauses().items()):
+            pauses.add_metric([tenant], count)
         return [
             waiting,
             peak,
+            pauses,
             sessions,
             GaugeMetricFamily(
                 f"{PREFIX}_jobs_in_flight", "Jobs admitted and not finished", value=in_flight

@@ -291,6 +291,7 @@ class AgentServer:
             io_workers=cfg.io_workers,
             on_crash=_exit_on_reactor_crash,
             cpus=parse_cpus(cfg.reactor_cpus),
+            refusals_per_s=cfg.refusals_per_s,
         )
         self.reactor.start()
         self.sessions = SessionManager(

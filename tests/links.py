@@ -15,13 +15,16 @@ import contextlib
 import itertools
 import os
 import types
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, cast
 
+from dpu_agent.dataplane.pipeline import Pipeline, SessionHooks
 from dpu_agent.dataplane.reactor import Reactor
+from dpu_agent.dataplane.regions import AdvertisedRegion, RegionTable
+from dpu_agent.dataplane.staging import Staging
 from dpu_agent.errors import Unavailable
 from dpu_wire.capsule import MAX_CAPSULE
 from dpu_wire.transport import tcp
-from dpu_wire.transport.base import AgentLink, LinkSink, TransportError
+from dpu_wire.transport.base import Access, AgentLink, LinkSink, TransportError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -88,6 +91,26 @@ class StandInLink(AgentLink):
         os.close(self._fd)
 
 
+class BacklogLink(StandInLink):
+    """A readiness-driven link whose capsules (`name` and a number) are all in its buffer
+    from the start: its descriptor is readable once (the read that brought them), and
+    never again; `poll` hands over a budget of them, as a tcp link does."""
+
+    def __init__(self, name: str, count: int) -> None:
+        super().__init__(readable=True)
+        self.waiting = [f"{name}{i}".encode() for i in range(count)]
+
+    def poll(self, sink: LinkSink, budget: int) -> int:
+        taken, self.waiting = self.waiting[:budget], self.waiting[budget:]
+        for capsule in taken:
+            sink.on_capsule(memoryview(capsule))
+        return len(taken)
+
+    @property
+    def backlog(self) -> bool:
+        return bool(self.waiting)
+
+
 class StandInHooks:
     """A pipeline's session for tests: records what it publishes; `draining` refuses jobs."""
 
@@ -122,6 +145,68 @@ class StandInReactor:
         return types.SimpleNamespace(cancel=lambda: None)
 
 
+class RecordingLink:
+    """A pipeline's link for tests: records the READs and SENDs posted, accepts the rest."""
+
+    inline_max = 0
+    error = None
+    outstanding = 0
+
+    def __init__(self) -> None:
+        self.reads: list[int] = []  # the token of each READ posted
+        self.sent: list[bytes] = []  # each capsule sent (COMPLETIONs)
+
+    def staging(self, length: int) -> object:
+        return types.SimpleNamespace(view=memoryview(bytearray(length)))
+
+    def release(self, _region: Region) -> None:
+        pass
+
+    def fast_regions(self, _regions: object, _sink: object) -> bool:
+        return False
+
+    def room(self) -> int:
+        return 1 << 20
+
+    def post_read(self, *operands: object) -> None:
+        self.reads.append(cast("int", operands[-1]))
+
+    def post_send(self, message: bytes, _token: int | None = None) -> None:
+        self.sent.append(bytes(message))
+
+    def flush(self) -> None:
+        pass
+
+
+SOURCE: Final = AdvertisedRegion("src", 0x100000, 1 << 20, 1, Access.REMOTE_READ)
+DESTINATION: Final = AdvertisedRegion("dst", 0x200000, 1 << 20, 2, Access.REMOTE_WRITE)
+
+
+def stand_in_pipeline(
+    queue_depth: int, chunk_size: int = 1 << 20, large: int = 4
+) -> tuple[Pipeline, RecordingLink]:
+    """A session's pipeline on a `RecordingLink`, with a readable region `SOURCE` (rkey 1)
+    and a writable one `DESTINATION` (rkey 2) of 1 MiB each; its timers never fire."""
+    link = RecordingLink()
+    regions = RegionTable()
+    regions.add(SOURCE)
+    regions.add(DESTINATION)
+    staging = Staging(
+        cast("AgentLink", link), queue_depth=queue_depth, chunk_size=chunk_size, large=large
+    )
+    pipe = Pipeline(
+        hooks=cast("SessionHooks", StandInHooks()),
+        link=cast("AgentLink", link),
+        reactor=cast("Reactor", StandInReactor()),
+        staging=staging,
+        regions=regions,
+        storage=None,
+        queue_depth=queue_depth,
+        default_deadline=30.0,
+    )
+    return pipe, link
+
+
 class NoStaging:
     """A pipeline's staging for tests whose jobs take no buffer (inline, trims, the
     core's): no job ever waits for one, so ending the session drops no waiter."""
@@ -133,6 +218,8 @@ class NoStaging:
 class StandInOwner(LinkSink):
     """A session for tests of the reactor: it is its own sink and posts nothing; a
     subclass says what to do with each capsule."""
+
+    futile = 0  # LinkOwner: nothing these charge a tenant
 
     @property
     def sink(self) -> LinkSink:
@@ -165,6 +252,8 @@ class AgentEnd(LinkSink):
         self._sends: collections.deque[tuple[bytes, int]] = collections.deque()
 
     # LinkOwner (reactor thread)
+    futile = 0  # LinkOwner: nothing these charge a tenant
+
     @property
     def sink(self) -> LinkSink:
         return self
@@ -301,9 +390,9 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
 
 
 @contextlib.asynccontextmanager
-async def reactor(spin: float = 0.002) -> AsyncIterator[Reactor]:
+async def reactor(spin: float = 0.002, refusals_per_s: int = 0) -> AsyncIterator[Reactor]:
     """A started reactor, stopped afterwards."""
-    r = Reactor(spin=spin)
+    r = Reactor(spin=spin, refusals_per_s=refusals_per_s)
     r.start()
     try:
         yield r
@@ -311,13 +400,15 @@ async def reactor(spin: float = 0.002) -> AsyncIterator[Reactor]:
         await asyncio.to_thread(r.stop)
 
 
-async def tcp_pair(r: Reactor, queue_depth: int = 1) -> tuple[HostEnd, AgentEnd]:
+async def tcp_pair(
+    r: Reactor, queue_depth: int = 1, end: type[AgentEnd] | None = None
+) -> tuple[HostEnd, AgentEnd]:
     """A connected tcp host link and agent link (the agent's on `r`, for a session of
-    `queue_depth`)."""
+    `queue_depth`; `end`: the agent end's class, `AgentEnd` or a subclass)."""
     host = tcp.TcpHostLink()
     host.listen()
     sock, token = await tcp.dial(host.address)
-    agent = AgentEnd(tcp.TcpAgentLink(sock, token, queue_depth=queue_depth), r)
+    agent = (end or AgentEnd)(tcp.TcpAgentLink(sock, token, queue_depth=queue_depth), r)
     await host.connect(agent.link.address)
     host_end = HostEnd(host)
     host_end.start()

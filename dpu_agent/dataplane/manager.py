@@ -389,6 +389,13 @@ class SessionManager:
         """(links the data-plane reactor drives, passes it has made): for the metrics."""
         return self._reactor.links, self._reactor.passes
 
+    def tenant_pauses(self) -> dict[str, int]:
+        """Per tenant: times its data-plane links were not read for a while.
+
+        Each time it had spent its allowance of futile capsules (`refusals_per_s`).
+        """
+        return {t: n for t, n in dict(self._reactor.pauses).items() if isinstance(t, str)}
+
     def offload_load(self) -> dict[str, tuple[int, int]]:
         """Per worker pool (compute, io): (calls waiting, the most that ever waited)."""
         return self._reactor.offload_load()

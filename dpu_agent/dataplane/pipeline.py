@@ -266,6 +266,7 @@ class Pipeline(LinkSink):
         self.failed = False
         self.closed = False
         self.counters = Counters()
+        self.futile = 0  # capsules that ran no job: the reactor charges them to the tenant
         # The link's fast path (`AgentLink.fast_regions`): it runs COPY jobs itself
         # while every job this session holds open is one it started; the regions are
         # pushed again whenever the table changed (`fast_room`).
@@ -476,6 +477,8 @@ class Pipeline(LinkSink):
                 raise CapsuleError(
                     f"CANCEL capsule must be {capsule.CANCEL_SIZE} bytes, not {len(data)}", job_id
                 )
+            if job_id not in self.open:
+                self.futile += 1
             self.cancel(job_id, "cancelled by request")
         elif opcode == Opcode.COMPLETION:
             capsule.completion_fields(data)
@@ -514,6 +517,7 @@ class Pipeline(LinkSink):
                 rpc_request_id=self._open_request_id, submit_ns=now_ns,
             )  # fmt: skip
             self.counters.jobs_submitted += 1
+            self.futile += 1
             self._end(failed, None, State.FAILED, status.code_for(exc), str(exc))
             return
         self._start(job)
@@ -521,6 +525,7 @@ class Pipeline(LinkSink):
     def _reject(self, job_id: int, message: str, now_ns: int) -> None:
         """Answer a capsule that makes no job (undecodable, duplicate or reserved id)."""
         self._hooks.rejected()
+        self.futile += 1
         reply = capsule.pack_completion(
             job_id, State.FAILED, status.INVALID_ARGUMENT, 0, 0, 0, now_ns, 0, now_ns, message
         )

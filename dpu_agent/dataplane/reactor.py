@@ -14,7 +14,10 @@ and runs a loop:
    budget is what keeps tenants apart: a host that floods its links with capsules gets
    the same share of each pass as every other tenant with work, however many sessions
    it opens, and the rest of its flood waits (in the link, then in the kernel's socket
-   buffer, then in the host: TCP flow control);
+   buffer, then in the host: TCP flow control). Capsules that run no job (refused,
+   failed at admission, CANCELs of jobs not open) are also counted against the tenant's
+   allowance a second (`allowance.Allowance`): past it, its links are not read until
+   the allowance refills;
 4. run due timers (deadlines, QoS waits);
 5. give every session touched in this pass one call to finish the pass (flush the
    link, publish the jobs that finished; a tcp link's owner gets another call at once
@@ -57,6 +60,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
+from dpu_agent.dataplane.allowance import Allowance
 from dpu_agent.dataplane.fairpool import FairPool
 
 if TYPE_CHECKING:
@@ -93,6 +97,13 @@ class LinkOwner(Protocol):
     def link_failed(self) -> None:
         """The link reported an error (`link.error` says which)."""
 
+    @property
+    def futile(self) -> int:
+        """Capsules so far that ran no job: what the tenant's allowance is charged.
+
+        Refused ones, ones whose job failed at admission, CANCELs of jobs not open.
+        """
+
 
 @dataclasses.dataclass(eq=False)
 class _Entry:
@@ -106,6 +117,8 @@ class _Entry:
     writing: bool = False  # EPOLLOUT registered
     tenant: object = None  # whose link: its hot links share one budget a pass
     watched: bool = True  # its descriptor is in the epoll set (until it fails)
+    paused: bool = False  # its tenant spent its allowance: out of the epoll set, not polled
+    futile_seen: int = 0  # the owner's `futile` when last charged
     removed: bool = False
 
 
@@ -113,13 +126,21 @@ def _nothing() -> None:
     pass
 
 
-def _shares(hot: list[_Entry]) -> dict[object, int]:
-    """Each tenant's budget per hot link this pass: `POLL_BUDGET` split among its links."""
+def _shares(hot: list[_Entry], low: dict[object, Allowance], now: float) -> dict[object, int]:
+    """Each tenant's budget per hot link this pass: `POLL_BUDGET` split among its links.
+
+    Less for a tenant in `low`, whose allowance of futile capsules is lower.
+    """
     links: dict[object, int] = {}
     for entry in hot:
         if not entry.removed:
             links[entry.tenant] = links.get(entry.tenant, 0) + 1
-    return {tenant: max(1, POLL_BUDGET // n) for tenant, n in links.items()}
+    shares = {}
+    for tenant, n in links.items():
+        allowance = low.get(tenant)
+        budget = POLL_BUDGET if allowance is None else allowance.share(POLL_BUDGET, now)
+        shares[tenant] = max(1, budget // n)
+    return shares
 
 
 class Timer:
@@ -154,9 +175,11 @@ class Reactor:
         cpus: the CPUs the reactor's thread may run on (empty: any). A deployment gives
             the data plane its own cores; on the soft-RoCE test bed the CPU it lands on
             moved the transport's 4 KiB WRITE between 117 and 301 us (docs/performance.md).
+        refusals_per_s: futile capsules a tenant may send a second (`allowance`; at
+            least `allowance.RESUME_AT`); 0: no limit.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the loop's tunables, all keyword-only
         self,
         *,
         spin: float = 0.002,
@@ -164,8 +187,15 @@ class Reactor:
         io_workers: int = 16,
         on_crash: Callable[[BaseException], None] | None = None,
         cpus: frozenset[int] = frozenset(),
+        refusals_per_s: int = 0,
     ) -> None:
         self.spin = spin
+        self.refusals_per_s = refusals_per_s
+        self._allowances: dict[object, Allowance] = {}  # by tenant, while it has links
+        # the allowances below a pass's budget: they cap their tenant's share of a pass
+        self._low: dict[object, Allowance] = {}
+        # by tenant: times its links stopped being read, its allowance spent (metrics)
+        self.pauses: dict[object, int] = {}
         self.cpus = cpus
         self._on_crash = on_crash
         self._epoll = select.epoll()
@@ -269,10 +299,19 @@ class Reactor:
         tenant of its own).
         """
         fd = link.fileno()
-        entry = _Entry(link, owner, fd, polls=link.needs_polling, last=time.monotonic())
+        now = time.monotonic()
+        entry = _Entry(link, owner, fd, polls=link.needs_polling, last=now)
         entry.tenant = entry if tenant is None else tenant
+        entry.futile_seen = owner.futile
         self._entries[fd] = entry
         self._by_link[link] = entry
+        allowance = self._allowances.get(entry.tenant)
+        if allowance is None and self.refusals_per_s:
+            allowance = self._allowances[entry.tenant] = Allowance(self.refusals_per_s, now)
+        if allowance is not None and allowance.resume is not None:  # the tenant waits
+            entry.paused = True
+            entry.hot = False
+            return
         self._epoll.register(fd, _EPOLLIN)
         self._hot.append(entry)
         if self._overdue_timer is None:
@@ -289,6 +328,7 @@ class Reactor:
             del self._entries[entry.fd]
             with contextlib.suppress(OSError, ValueError):
                 self._epoll.unregister(entry.fd)
+        self._forget_allowances()
 
     def _unwatch(self, entry: _Entry) -> None:
         """A failed link's descriptor leaves the epoll set until its owner removes it.
@@ -308,7 +348,7 @@ class Reactor:
             return
         entry.last = time.monotonic()
         self._touched[entry] = None
-        if not entry.hot:
+        if not entry.hot and not entry.paused:
             entry.hot = True
             self._hot.append(entry)
 
@@ -458,7 +498,7 @@ class Reactor:
                     os.eventfd_read(self._wake_fd)
                 continue
             entry = entries.get(fd)
-            if entry is None:
+            if entry is None or entry.paused:
                 continue
             touched[entry] = None
             if mask & _EPOLLOUT:
@@ -484,9 +524,15 @@ class Reactor:
         touched = self._touched
         found = False
         hot = self._hot
-        shares = _shares(hot) if len(hot) > 1 else None
+        low = self._low
+        if low:
+            for tenant in [t for t, a in low.items() if a.share(POLL_BUDGET, now) == POLL_BUDGET]:
+                del low[tenant]
+        shares = _shares(hot, low, now) if len(hot) > 1 or low else None
+        charging = bool(self._allowances)
+        spent: set[object] = set()
         for entry in hot:
-            if entry.removed:
+            if entry.removed or entry.paused:
                 continue
             link = entry.link
             budget = POLL_BUDGET if shares is None else shares[entry.tenant]
@@ -494,9 +540,69 @@ class Reactor:
                 entry.last = now
                 touched[entry] = None
                 found = True
+                if charging and entry.owner.futile != entry.futile_seen and self._charge(entry):
+                    spent.add(entry.tenant)
             if link.error is not None:
                 touched[entry] = None
+        for tenant in spent:
+            self._pause(tenant, now)
         return found
+
+    def _charge(self, entry: _Entry) -> bool:
+        """Charge the entry's new futile capsules to its tenant; whether that spent it."""
+        futile = entry.owner.futile
+        allowance = self._allowances.get(entry.tenant)
+        if allowance is None:
+            return False
+        allowance.take(futile - entry.futile_seen)
+        entry.futile_seen = futile
+        if allowance.tokens < POLL_BUDGET:
+            self._low[entry.tenant] = allowance
+        return allowance.spent
+
+    def _pause(self, tenant: object, now: float) -> None:
+        """Stop reading a tenant's links until its allowance has refilled."""
+        allowance = self._allowances[tenant]
+        for entry in self._by_link.values():
+            if entry.tenant == tenant and not entry.paused:
+                entry.paused = True
+                entry.hot = False
+                if entry.watched:
+                    with contextlib.suppress(OSError, ValueError):
+                        self._epoll.unregister(entry.fd)
+        self._hot = [entry for entry in self._hot if not entry.paused]
+        if allowance.resume is None:
+            self.pauses[tenant] = self.pauses.get(tenant, 0) + 1
+            allowance.resume = self.call_later(allowance.wait(now), lambda: self._resume(tenant))
+
+    def _resume(self, tenant: object) -> None:
+        """Read a paused tenant's links again."""
+        allowance = self._allowances.get(tenant)
+        if allowance is not None:
+            allowance.resume = None
+        now = time.monotonic()
+        for entry in self._by_link.values():
+            if entry.tenant != tenant or not entry.paused:
+                continue
+            entry.paused = False
+            if entry.watched:
+                with contextlib.suppress(OSError, ValueError):
+                    self._epoll.register(entry.fd, _EPOLLIN | (_EPOLLOUT if entry.writing else 0))
+            entry.hot = True
+            entry.last = now
+            self._hot.append(entry)
+            self._touched[entry] = None
+
+    def _forget_allowances(self) -> None:
+        """Drop the allowances of tenants without links whose tokens are all back."""
+        if not self._allowances:
+            return
+        now = time.monotonic()
+        tenants = {entry.tenant for entry in self._by_link.values()}
+        for tenant, allowance in list(self._allowances.items()):
+            if tenant not in tenants and allowance.resume is None and allowance.full(now):
+                del self._allowances[tenant]
+                self._low.pop(tenant, None)
 
     def _run_timers(self) -> None:
         timers = self._timers
@@ -533,8 +639,9 @@ class Reactor:
                 continue
             if link.error is None and link.wants_write != entry.writing:
                 entry.writing = link.wants_write
-                with contextlib.suppress(OSError, ValueError):
-                    self._epoll.modify(entry.fd, _EPOLLIN | (_EPOLLOUT if entry.writing else 0))
+                if not entry.paused:  # out of the epoll set: `_resume` registers both
+                    with contextlib.suppress(OSError, ValueError):
+                        self._epoll.modify(entry.fd, _EPOLLIN | (_EPOLLOUT if entry.writing else 0))
         self._cool_down()
 
     def _settle(self, entry: _Entry) -> None:

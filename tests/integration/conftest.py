@@ -111,6 +111,23 @@ def start_agent(
     return AgentProcess(proc, ready.read_text().strip(), log_path)
 
 
+def tokens_file(
+    directory: Path, *tenants: str, admins: tuple[str, ...] = ()
+) -> tuple[Path, dict[str, str]]:
+    """A tokens file (`[auth] tokens_file`, mode 0600) giving each tenant a new bearer
+    token (`admins`: admin tokens); returns its path and the tokens by tenant."""
+    from host_client import _certs  # noqa: PLC0415 - the SDK's tool, only where used
+
+    tokens, entries = {}, []
+    for tenant in (*tenants, *admins):
+        tokens[tenant], entry = _certs.make_token(tenant, admin=tenant in admins)
+        entries.append(entry)
+    path = directory / "tokens.toml"
+    path.touch(mode=0o600)
+    path.write_text("\n".join(entries))
+    return path, tokens
+
+
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory):
     """One agent process shared by a test module; it must exit 0 on SIGTERM."""

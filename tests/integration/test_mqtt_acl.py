@@ -41,8 +41,8 @@ from dpu_agent.events import MqttEventPublisher, MqttSettings
 from dpu_wire import events as payloads
 from dpu_wire import names
 from dpu_wire.capsule import JobKind, Span, State
-from host_client import EventSubscriber, PermissionDeniedError, UnavailableError, _certs
-from tests.integration.conftest import AgentProcess, start_agent
+from host_client import EventSubscriber, PermissionDeniedError, UnavailableError
+from tests.integration.conftest import AgentProcess, start_agent, tokens_file
 from tests.integration.mqtt_broker import (
     HOST,
     BrokerAuth,
@@ -358,14 +358,7 @@ def start_tenants_agent(
     a bearer token per tenant (`[auth] tokens_file`); returns it and the tokens."""
     password_file = tmp_path / "agent.secret"
     password_file.write_text(secure.password(AGENT_USER) + "\n")
-    tokens = {}
-    entries = []
-    for tenant in ("acme", "globex"):
-        tokens[tenant], entry = _certs.make_token(tenant)
-        entries.append(entry)
-    tokens_file = tmp_path / "tokens.toml"
-    tokens_file.touch(mode=0o600)
-    tokens_file.write_text("\n".join(entries))
+    path, tokens = tokens_file(tmp_path, "acme", "globex")
     agent = start_agent(
         tmp_path,
         env={
@@ -375,7 +368,7 @@ def start_tenants_agent(
             "DPU_AGENT_MQTT_USERNAME": AGENT_USER,
             "DPU_AGENT_MQTT_PASSWORD_FILE": str(password_file),
             "DPU_AGENT_MQTT_TELEMETRY_INTERVAL": "0",
-            "DPU_AGENT_AUTH_TOKENS_FILE": str(tokens_file),
+            "DPU_AGENT_AUTH_TOKENS_FILE": str(path),
         },
     )
     return agent, tokens

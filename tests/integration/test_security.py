@@ -20,7 +20,7 @@ import pytest
 import host_client
 from dpu_wire.capsule import JobKind, Span
 from dpu_wire.v1 import job_pb2, network_pb2, session_pb2, virtualization_pb2
-from tests.integration.conftest import start_agent
+from tests.integration.conftest import start_agent, tokens_file
 from tests.integration.pki import LabPki, make_pki
 
 BIN = Path(sys.executable).parent
@@ -547,19 +547,13 @@ async def test_flow_rule_quota(quota_agent, pki):
 
 @pytest.fixture(scope="module")
 def token_agent(tmp_path_factory):
-    from host_client import _certs  # noqa: PLC0415
-
     directory = tmp_path_factory.mktemp("token-agent")
-    token_a, entry_a = _certs.make_token("tenant-a")
-    token_admin, entry_admin = _certs.make_token("ops", admin=True)
-    tokens = directory / "tokens.toml"
-    tokens.write_text(entry_a + entry_admin)
-    tokens.chmod(0o600)
+    path, tokens = tokens_file(directory, "tenant-a", admins=("ops",))
     agent = start_agent(
         directory,
-        env={"DPU_AGENT_AUTH_TOKENS_FILE": str(tokens), "DPU_AGENT_NETWORK_BACKEND": "memory"},
+        env={"DPU_AGENT_AUTH_TOKENS_FILE": str(path), "DPU_AGENT_NETWORK_BACKEND": "memory"},
     )
-    yield agent, token_a, token_admin
+    yield agent, tokens["tenant-a"], tokens["ops"]
     assert agent.terminate() == 0, agent.log_path.read_text()
 
 

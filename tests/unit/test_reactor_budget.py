@@ -13,30 +13,10 @@ import threading
 from typing import TYPE_CHECKING
 
 from dpu_agent.dataplane.reactor import POLL_BUDGET, Reactor
-from dpu_wire.transport.base import LinkSink
-from tests.links import StandInLink, StandInOwner
+from tests.links import BacklogLink, StandInOwner
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-
-class _BacklogLink(StandInLink):
-    """A readiness-driven link whose capsules are all in its buffer from the start: its
-    descriptor is readable once (the read that brought them), and never again."""
-
-    def __init__(self, name: str, count: int) -> None:
-        super().__init__(readable=True)
-        self._waiting = [f"{name}{i}".encode() for i in range(count)]
-
-    def poll(self, sink: LinkSink, budget: int) -> int:
-        taken, self._waiting = self._waiting[:budget], self._waiting[budget:]
-        for capsule in taken:
-            sink.on_capsule(memoryview(capsule))
-        return len(taken)
-
-    @property
-    def backlog(self) -> bool:
-        return bool(self._waiting)
 
 
 class _Owner(StandInOwner):
@@ -68,7 +48,7 @@ def _handed_over(counts: dict[str, int], tenants: dict[str, str] | None = None) 
             all_in.set()
 
     reactor = Reactor(spin=0.002, compute_workers=1, io_workers=1)
-    links = {name: _BacklogLink(name, count) for name, count in counts.items()}
+    links = {name: BacklogLink(name, count) for name, count in counts.items()}
     owners = {name: _Owner(name, order, done) for name in links}
     reactor.start()
     try:

@@ -9,75 +9,24 @@ each such end hold the reactor, and every other session, for up to a second.
 
 from __future__ import annotations
 
-import types
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-from dpu_agent.dataplane import pipeline
 from dpu_agent.dataplane.jobs import JobState
-from dpu_agent.dataplane.regions import AdvertisedRegion, RegionTable
-from dpu_agent.dataplane.staging import Staging
 from dpu_wire import capsule
 from dpu_wire.capsule import Span
 from dpu_wire.jobkinds import JobKind
-from dpu_wire.transport.base import Access, TransportError
-from tests.links import StandInHooks, StandInReactor
+from dpu_wire.transport.base import TransportError
+from tests.links import RecordingLink, stand_in_pipeline
 
 if TYPE_CHECKING:
-    from dpu_agent.dataplane.reactor import Reactor
-    from dpu_wire.transport.base import AgentLink, Region
+    from dpu_agent.dataplane import pipeline
 
 CHUNK = 1 << 20
 JOBS = 6
 
 
-class _Link:
-    """Records the READs the pipeline posts; everything else is accepted."""
-
-    inline_max = 0
-    error = None
-    outstanding = 0
-
-    def __init__(self) -> None:
-        self.reads: list[int] = []  # the token of each READ posted
-
-    def staging(self, length: int) -> object:
-        return types.SimpleNamespace(view=memoryview(bytearray(length)))
-
-    def release(self, _region: Region) -> None:
-        pass
-
-    def fast_regions(self, _regions: object, _sink: object) -> bool:
-        return False
-
-    def room(self) -> int:
-        return 1 << 20
-
-    def post_read(self, *operands: object) -> None:
-        self.reads.append(cast("int", operands[-1]))
-
-    def post_send(self, _message: bytes, _token: int | None = None) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-
-def _session() -> tuple[pipeline.Pipeline, _Link]:
-    link = _Link()
-    regions = RegionTable()
-    regions.add(AdvertisedRegion("src", 0x100000, CHUNK, 1, Access.REMOTE_READ))
-    regions.add(AdvertisedRegion("dst", 0x200000, CHUNK, 2, Access.REMOTE_WRITE))
-    staging = Staging(cast("AgentLink", link), queue_depth=JOBS, chunk_size=CHUNK, large=1)
-    pipe = pipeline.Pipeline(
-        hooks=cast("pipeline.SessionHooks", StandInHooks()),
-        link=cast("AgentLink", link),
-        reactor=cast("Reactor", StandInReactor()),
-        staging=staging,
-        regions=regions,
-        storage=None,
-        queue_depth=JOBS,
-        default_deadline=30.0,
-    )
+def _session() -> tuple[pipeline.Pipeline, RecordingLink]:
+    pipe, link = stand_in_pipeline(JOBS, CHUNK, large=1)
     for job_id in range(1, JOBS + 1):  # 1 MiB copies: one large buffer, so one runs
         submit = capsule.pack_submit(
             job_id, JobKind.COPY, Span(0x100000, CHUNK, 1), Span(0x200000, CHUNK, 2)

@@ -13,6 +13,7 @@ from tests.scenarios import (
     agent_death,
     bad_capsules,
     busy_neighbour,
+    futile_flood,
     mixed_jobs,
     volume_faults,
     volume_io,
@@ -52,6 +53,10 @@ async def test_1000_mixed_jobs_over_rxe(verbs_agent):
 async def test_bad_capsules_over_rxe(verbs_agent):
     async with host_client.Client(verbs_agent.address, timeout=60) as client:
         await bad_capsules.run(client, "verbs")
+
+
+async def test_a_flooding_tenant_is_slowed_to_its_allowance_over_rxe(rdma_port, tmp_path):
+    await futile_flood.run(tmp_path, "verbs", _verbs_env(rdma_port))
 
 
 async def test_agent_killed_mid_jobs_fails_them_and_a_new_session_works(rdma_port, tmp_path):

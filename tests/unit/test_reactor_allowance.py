@@ -1,0 +1,147 @@
+"""A tenant's capsules that run no job spend an allowance a second; past it the reactor
+stops reading the tenant's links until the allowance refills (`allowance.RESUME_AT`
+capsules' worth). Nothing is dropped: the capsules wait in the link and are all handed
+over in the end, in order, while other tenants' links are read as before.
+
+The links are stand-ins holding a backlog (as a tcp link holds the frames one read
+brought); a real agent and a hostile tcp host are in
+tests/integration/test_refusal_allowance.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dpu_agent.dataplane.allowance import RESUME_AT, Allowance
+from dpu_agent.dataplane.reactor import POLL_BUDGET, Reactor
+from tests.links import AgentEnd, BacklogLink, StandInOwner, reactor, tcp_pair
+
+RATE = 200  # futile capsules a second, the tests' allowance
+
+
+class _Owner(StandInOwner):
+    """A session: records when each capsule came, and counts it futile if `refuses`."""
+
+    def __init__(self, refuses: bool, total: int, done: threading.Event) -> None:
+        self.refuses = refuses
+        self.futile = 0
+        self.got: list[tuple[float, bytes]] = []
+        self._total = total
+        self._done = done
+
+    def on_capsule(self, data: memoryview) -> None:
+        self.got.append((time.monotonic(), bytes(data)))
+        if self.refuses:
+            self.futile += 1
+        if len(self.got) == self._total:
+            self._done.set()
+
+
+def test_the_allowance_refills_at_its_rate_up_to_one_second():
+    allowance = Allowance(RATE, now=10.0)
+    assert allowance.share(POLL_BUDGET, 10.0) == POLL_BUDGET  # a full second saved
+    allowance.take(RATE + 3)
+    assert allowance.spent
+    assert allowance.share(POLL_BUDGET, 10.0) == 1  # never 0: a link polled gets one
+    assert allowance.wait(10.0) == pytest.approx((RESUME_AT + 3) / RATE)
+    assert allowance.refill(10.5) == pytest.approx(RATE / 2 - 3)
+    assert allowance.refill(99.0) == RATE  # no more than a second's worth
+    assert allowance.full(99.0)
+    with pytest.raises(ValueError, match="below"):
+        Allowance(RESUME_AT - 1, 0.0)
+
+
+def _run(
+    counts: dict[str, tuple[int, bool]], tenants: dict[str, str]
+) -> tuple[dict[str, _Owner], dict[object, int], float]:
+    """Add every link in one pass; wait until each owner has its capsules.
+
+    `counts`: per link, its backlog and whether its owner counts them futile. Returns the
+    owners, the reactor's pauses per tenant and when the links were added.
+    """
+    reactor = Reactor(spin=0.002, compute_workers=1, io_workers=1, refusals_per_s=RATE)
+    links = {name: BacklogLink(name, count) for name, (count, _) in counts.items()}
+    finished = {name: threading.Event() for name in links}
+    owners = {
+        name: _Owner(refuses, count, finished[name]) for name, (count, refuses) in counts.items()
+    }
+    started: list[float] = []
+    reactor.start()
+    try:
+
+        def add_all() -> None:
+            started.append(time.monotonic())
+            for name, link in links.items():
+                reactor.add(link, owners[name], tenants[name])
+
+        reactor.call(add_all)
+        for name, event in finished.items():
+            assert event.wait(30), f"{name}: {len(owners[name].got)} handed over"
+    finally:
+        reactor.stop(timeout=5)
+        for link in links.values():
+            link.close()
+    return owners, dict(reactor.pauses), started[0]
+
+
+def test_a_tenants_futile_capsules_are_read_no_faster_than_its_allowance():
+    """Tenant x floods two links with capsules that run no job, three seconds of its
+    allowance; tenant y's link brings ordinary ones. y's are all handed over at once;
+    x's come at most at the allowance's pace (a second's worth at the start, then
+    `RATE` a second, overshooting by at most a pass), all of them, in order."""
+    flood = 3 * RATE
+    owners, pauses, start = _run(
+        {"X1": (flood // 2, True), "X2": (flood // 2, True), "Y": (4 * POLL_BUDGET, False)},
+        {"X1": "x", "X2": "x", "Y": "y"},
+    )
+    assert pauses.get("x", 0) >= 1
+    assert "y" not in pauses
+    for name in ("X1", "X2"):
+        assert [data for _, data in owners[name].got] == [
+            f"{name}{i}".encode() for i in range(flood // 2)
+        ]
+    x_times = sorted(t for name in ("X1", "X2") for t, _ in owners[name].got)
+    y_last = owners["Y"].got[-1][0]
+    assert sum(1 for t in x_times if t <= y_last) <= RATE + POLL_BUDGET  # y never waited
+    for count, at in enumerate(x_times, start=1):  # the pace (a slower machine only slows it)
+        assert count <= RATE + (at - start) * RATE + POLL_BUDGET, (count, at - start)
+
+
+def test_a_tenant_that_sends_no_futile_capsules_is_never_paused():
+    owners, pauses, _ = _run({"Y": (10 * RATE, False)}, {"Y": "y"})
+    assert len(owners["Y"].got) == 10 * RATE
+    assert pauses == {}
+
+
+class _RefusingEnd(AgentEnd):
+    """An agent end that counts every capsule futile, as a session refusing them would."""
+
+    futile = 0
+
+    def on_capsule(self, data: memoryview) -> None:
+        self.futile += 1
+        super().on_capsule(data)
+
+
+@pytest.mark.asyncio
+async def test_a_paused_tcp_link_is_not_read_and_does_not_spin_the_reactor():
+    """Over a real socket: the host sends three seconds' worth of futile capsules at once.
+    They all arrive, in order, at the allowance's pace; while the link waits its readable
+    socket is out of the reactor's epoll set (else every pass would find it readable and
+    the loop would spin: tens of thousands of passes a second)."""
+    async with reactor(refusals_per_s=RATE) as r:
+        host, refusing = await tcp_pair(r, end=_RefusingEnd)
+        passes, start = r.passes, time.monotonic()
+        count = 3 * RATE
+        for i in range(count):
+            host.send(b"futile %d" % i)
+        for i in range(count):
+            assert await refusing.recv() == b"futile %d" % i
+        elapsed, passes = time.monotonic() - start, r.passes - passes
+        assert sum(r.pauses.values()) >= 1
+        assert passes < 100 * (elapsed + 1) + 2 * count / RESUME_AT, (passes, elapsed)
+        await refusing.close()
+        await host.close()
