@@ -88,7 +88,9 @@ class StandInLink(AgentLink):
         return True
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class BacklogLink(StandInLink):
@@ -212,6 +214,9 @@ class NoStaging:
     core's): no job ever waits for one, so ending the session drops no waiter."""
 
     def drop_waiters(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

@@ -1147,7 +1147,7 @@ class Pipeline(LinkSink):
 
         def finish() -> None:
             if self.link.error is None and self.link.outstanding and time.monotonic() < deadline:
-                self.link.poll(self, 64)
+                self._reactor.read_now(self.link)  # within the tenant's allowance
                 self.link.flush()
                 self._reactor.call_later(0.001, finish)
                 return

@@ -60,7 +60,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
-from dpu_agent.dataplane.allowance import Allowance
+from dpu_agent.dataplane.allowance import RESUME_AT, Allowance
 from dpu_agent.dataplane.fairpool import FairPool
 
 if TYPE_CHECKING:
@@ -190,6 +190,8 @@ class Reactor:
         refusals_per_s: int = 0,
     ) -> None:
         self.spin = spin
+        if refusals_per_s and refusals_per_s < RESUME_AT:
+            raise ValueError(f"refusals_per_s {refusals_per_s}: 0 (no limit) or >= {RESUME_AT}")
         self.refusals_per_s = refusals_per_s
         self._allowances: dict[object, Allowance] = {}  # by tenant, while it has links
         # the allowances below a pass's budget: they cap their tenant's share of a pass
@@ -308,14 +310,14 @@ class Reactor:
         allowance = self._allowances.get(entry.tenant)
         if allowance is None and self.refusals_per_s:
             allowance = self._allowances[entry.tenant] = Allowance(self.refusals_per_s, now)
+        if self._overdue_timer is None:
+            self._overdue_timer = self.call_later(MAX_WAIT, self._check_overdue)
         if allowance is not None and allowance.resume is not None:  # the tenant waits
             entry.paused = True
             entry.hot = False
             return
         self._epoll.register(fd, _EPOLLIN)
         self._hot.append(entry)
-        if self._overdue_timer is None:
-            self._overdue_timer = self.call_later(MAX_WAIT, self._check_overdue)
 
     def remove(self, link: AgentLink) -> None:
         """Stop driving a link (the caller closes it)."""
@@ -323,6 +325,10 @@ class Reactor:
         if entry is None:
             return
         entry.removed = True  # dropped from the hot list at the end of the pass
+        if entry.owner.futile != entry.futile_seen and self._charge(entry):
+            self._pause(entry.tenant, time.monotonic())  # its capsules since the last pass
+        if entry.tenant is entry:
+            self.pauses.pop(entry, None)
         self._touched.pop(entry, None)
         if self._entries.get(entry.fd) is entry:  # not a newer link's reused descriptor
             del self._entries[entry.fd]
@@ -351,6 +357,22 @@ class Reactor:
         if not entry.hot and not entry.paused:
             entry.hot = True
             self._hot.append(entry)
+
+    def read_now(self, link: AgentLink) -> None:
+        """Read `link` outside a pass, as a pass would (a closing session drains it so).
+
+        Nothing while its tenant is paused; no more than the tenant's share of a pass; the
+        capsules that ran no job charged to the tenant's allowance.
+        """
+        entry = self._by_link.get(link)
+        if entry is None or entry.paused:
+            return
+        now = time.monotonic()
+        allowance = self._allowances.get(entry.tenant)
+        budget = POLL_BUDGET if allowance is None else allowance.share(POLL_BUDGET, now)
+        link.poll(entry.owner.sink, budget)
+        if entry.owner.futile != entry.futile_seen and self._charge(entry):
+            self._pause(entry.tenant, now)
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
         """Run `fn` on this thread after `delay` seconds."""

@@ -12,12 +12,31 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING, cast
 
 import pytest
 
+from dpu_agent import status
 from dpu_agent.dataplane.allowance import RESUME_AT, Allowance
+from dpu_agent.dataplane.pipeline import Pipeline
 from dpu_agent.dataplane.reactor import POLL_BUDGET, Reactor
-from tests.links import AgentEnd, BacklogLink, StandInOwner, reactor, tcp_pair
+from dpu_agent.dataplane.regions import RegionTable
+from dpu_wire import capsule
+from dpu_wire.capsule import State
+from dpu_wire.jobkinds import JobKind
+from tests.links import (
+    AgentEnd,
+    BacklogLink,
+    NoStaging,
+    StandInHooks,
+    StandInOwner,
+    reactor,
+    tcp_pair,
+)
+
+if TYPE_CHECKING:
+    from dpu_agent.dataplane.pipeline import SessionHooks
+    from dpu_agent.dataplane.staging import Staging
 
 RATE = 200  # futile capsules a second, the tests' allowance
 
@@ -145,3 +164,101 @@ async def test_a_paused_tcp_link_is_not_read_and_does_not_spin_the_reactor():
         assert passes < 100 * (elapsed + 1) + 2 * count / RESUME_AT, (passes, elapsed)
         await refusing.close()
         await host.close()
+
+
+class _SubmittingLink(BacklogLink):
+    """A link whose backlog is SUBMITs of a span nobody registered (each fails at
+    admission: futile) and whose host never answers one READ (so a closing session
+    drains it for up to `pipeline.CLOSE_DRAIN_S`)."""
+
+    inline_max = 0
+
+    def __init__(self, count: int) -> None:
+        super().__init__("x", 0)
+        unknown = capsule.Span(0x1000, 4096, 0xDEAD)
+        self.waiting = [capsule.pack_submit(i, JobKind.CRC32C, unknown) for i in range(1, count)]
+        self.in_flight = 1
+
+    def room(self) -> int:
+        return 1 << 20
+
+    def post_send(self, message: bytes | memoryview, token: int | None = None) -> None:
+        pass
+
+    def fast_regions(self, _regions: object, _sink: object) -> bool:
+        return False
+
+
+def test_a_closing_session_reads_its_link_no_faster_than_its_tenants_allowance():
+    """A closing session drains its link (for answers to its READs) outside the reactor's
+    passes; that drain, too, must wait while the tenant is paused and charge what it
+    reads. It used to read 64 capsules a millisecond whatever the allowance said."""
+    r = Reactor(spin=0.002, compute_workers=1, io_workers=1, refusals_per_s=RATE)
+    link = _SubmittingLink(100_000)
+    pipe = Pipeline(
+        hooks=cast("SessionHooks", StandInHooks()),
+        link=link,
+        reactor=r,
+        staging=cast("Staging", NoStaging()),
+        regions=RegionTable(),
+        storage=None,
+        queue_depth=4,
+        default_deadline=30.0,
+    )
+    closed = threading.Event()
+    at_close: list[tuple[int, float]] = []
+
+    def close() -> None:
+        at_close.append((len(link.waiting), time.monotonic()))
+        pipe.close(State.CANCELLED, status.CANCELLED, "closed", closed.set)
+
+    r.start()
+    try:
+        r.call(lambda: r.add(link, pipe, "x"))
+        deadline = time.monotonic() + 10
+        while not r.pauses.get("x") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert r.pauses.get("x"), "the flood never spent the allowance"
+        r.call(close)
+        assert closed.wait(10)
+        left, started = at_close[0]
+        elapsed = time.monotonic() - started
+        read = left - len(link.waiting)
+        assert read <= RATE * elapsed + RESUME_AT + POLL_BUDGET, (read, elapsed)
+    finally:
+        r.stop(timeout=5)
+        link.close()
+
+
+class _CheckedLink(BacklogLink):
+    """A link that counts the reactor's checks for requests its host left unanswered."""
+
+    def __init__(self) -> None:
+        super().__init__("checked", 0)
+        self.checks = threading.Event()
+
+    def overdue(self, now: float) -> bool:  # noqa: ARG002 - it only counts the calls
+        self.checks.set()
+        return False
+
+
+def test_a_link_added_while_its_tenant_waits_is_still_checked_for_unanswered_requests():
+    """The once-a-second check (a tcp host that leaves a READ unanswered fails its link)
+    starts with the first link; a reactor whose first link came while its tenant was
+    paused never started it, so no link was checked until another was added."""
+    r = Reactor(spin=0.002, compute_workers=1, io_workers=1, refusals_per_s=RATE)
+    link = _CheckedLink()
+
+    def add_while_paused() -> None:
+        allowance = r._allowances["x"] = Allowance(RATE, time.monotonic())
+        allowance.take(RATE)
+        allowance.resume = r.call_later(60, lambda: None)  # x waits for a minute
+        r.add(link, StandInOwner(), "x")
+
+    r.start()
+    try:
+        r.call(add_while_paused)
+        assert link.checks.wait(5), "the link was never checked"
+    finally:
+        r.stop(timeout=5)
+        link.close()
