@@ -554,8 +554,8 @@ class Reactor:
         charging = bool(self._allowances)
         spent: set[object] = set()
         for entry in hot:
-            if entry.removed or entry.paused:
-                continue
+            if entry.removed or entry.paused or (spent and entry.tenant in spent):
+                continue  # a tenant that spent its allowance reads no more links this pass
             link = entry.link
             budget = POLL_BUDGET if shares is None else shares[entry.tenant]
             if link.poll(entry.owner.sink, budget):

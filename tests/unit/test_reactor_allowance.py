@@ -10,6 +10,7 @@ tests/integration/test_refusal_allowance.py.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import TYPE_CHECKING, cast
@@ -262,3 +263,40 @@ def test_a_link_added_while_its_tenant_waits_is_still_checked_for_unanswered_req
     finally:
         r.stop(timeout=5)
         link.close()
+
+
+def test_a_pass_reads_no_more_links_of_a_tenant_once_it_has_spent_its_allowance():
+    """64 links of tenant x, all flooding futile capsules. Once the tenant is down to the
+    few tokens a resume brings, a pass split its budget among the 64 (at least one each)
+    and read every link: 64 capsules, 8 tokens' worth, while other tenants waited behind
+    them. The pass now stops at the link that spent the allowance: passes that read x
+    read about `RESUME_AT` capsules, not one from each link."""
+    links_n, each = POLL_BUDGET, 10
+    total = links_n * each
+    r = Reactor(spin=0.002, compute_workers=1, io_workers=1, refusals_per_s=RATE)
+    passes: list[int] = []  # the reactor's pass number at each capsule handed over
+    done = threading.Event()
+
+    class Owner(StandInOwner):
+        def on_capsule(self, data: memoryview) -> None:  # noqa: ARG002 - only counted
+            self.futile += 1
+            passes.append(r.passes)
+            if len(passes) == total:
+                done.set()
+
+    links = [BacklogLink(f"X{i}-", each) for i in range(links_n)]
+    r.start()
+    try:
+
+        def add_all() -> None:
+            for link in links:
+                r.add(link, Owner(), "x")
+
+        r.call(add_all)
+        assert done.wait(30), f"{len(passes)} of {total} handed over"
+    finally:
+        r.stop(timeout=5)
+        for link in links:
+            link.close()
+    per_pass = sorted(collections.Counter(passes).values())
+    assert per_pass[len(per_pass) // 2] <= POLL_BUDGET // 4, per_pass
