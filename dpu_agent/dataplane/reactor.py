@@ -325,8 +325,7 @@ class Reactor:
         if entry is None:
             return
         entry.removed = True  # dropped from the hot list at the end of the pass
-        if entry.owner.futile != entry.futile_seen and self._charge(entry):
-            self._pause(entry.tenant, time.monotonic())  # its capsules since the last pass
+        self._charge_now(entry, time.monotonic())  # its capsules since the last pass
         if entry.tenant is entry:
             self.pauses.pop(entry, None)
         self._touched.pop(entry, None)
@@ -371,8 +370,7 @@ class Reactor:
         allowance = self._allowances.get(entry.tenant)
         budget = POLL_BUDGET if allowance is None else allowance.share(POLL_BUDGET, now)
         link.poll(entry.owner.sink, budget)
-        if entry.owner.futile != entry.futile_seen and self._charge(entry):
-            self._pause(entry.tenant, now)
+        self._charge_now(entry, now)
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
         """Run `fn` on this thread after `delay` seconds."""
@@ -581,6 +579,11 @@ class Reactor:
         if allowance.tokens < POLL_BUDGET:
             self._low[entry.tenant] = allowance
         return allowance.spent
+
+    def _charge_now(self, entry: _Entry, now: float) -> None:
+        """Outside a pass: charge the entry's new futile capsules; pause if that spent it."""
+        if entry.owner.futile != entry.futile_seen and self._charge(entry):
+            self._pause(entry.tenant, now)
 
     def _pause(self, tenant: object, now: float) -> None:
         """Stop reading a tenant's links until its allowance has refilled."""
