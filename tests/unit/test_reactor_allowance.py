@@ -72,6 +72,8 @@ def test_the_allowance_refills_at_its_rate_up_to_one_second():
     assert allowance.full(99.0)
     with pytest.raises(ValueError, match="below"):
         Allowance(RESUME_AT - 1, 0.0)
+    with pytest.raises(ValueError, match="no limit"):  # not at the first add, on its thread
+        Reactor(refusals_per_s=RESUME_AT - 1)
 
 
 def _run(
