@@ -89,6 +89,7 @@ class FrameType(enum.IntEnum):
 
 
 _TYPES: Final = frozenset(int(t) for t in FrameType)
+_CAPSULE: Final = int(FrameType.CAPSULE)  # a plain int: compared once a frame
 
 
 class Frame(NamedTuple):
@@ -131,6 +132,17 @@ class MemoryRegion(Region):
 
 class FrameHandler:
     """What a `FrameStream` asks and tells about the frames it receives."""
+
+    capsule_limit: int = MAX_CAPSULE  # the longest CAPSULE payload it takes
+
+    def on_capsule_frame(self, payload: memoryview) -> None:
+        """A whole CAPSULE frame, straight from the receive buffer (valid during the call).
+
+        The stream calls this instead of `payload_target` and `on_frame` when the
+        capsule's payload is already buffered, after checking it against
+        `capsule_limit`; this default hands it to `on_frame`.
+        """
+        self.on_frame(Frame(FrameType.CAPSULE, length=len(payload)), payload)
 
     def payload_target(self, frame: Frame) -> memoryview | None:
         """Where the frame's payload goes (exactly `frame.length` bytes); None: discard it."""
@@ -262,22 +274,40 @@ class FrameStream:
             kind, status, _reserved, req_id, addr, rkey, length = FRAME.unpack_from(
                 self._rx, self._start
             )
-            self._start += FRAME.size
-            if kind not in _TYPES:
-                raise TransportError(f"tcp data plane: unknown frame type {kind}")
-            frame = Frame(kind, status, req_id, addr, rkey, length)
-            if not self._has_payload(frame):
-                self._handler.on_frame(frame, None)
+            start = self._start + FRAME.size
+            self._start = start
+            if kind == _CAPSULE and length <= self._end - start:
+                # Whole in the buffer (most capsules): no copy into a target, one call.
+                handler = self._handler
+                if length > handler.capsule_limit:
+                    raise TransportError(
+                        f"capsule of {length} bytes exceeds {handler.capsule_limit}"
+                    )
+                self._start = start + length
+                handler.on_capsule_frame(self._rxv[start : start + length])
                 frames += 1
                 continue
-            target = self._handler.payload_target(frame)
-            self._frame = frame
-            if target is not None and len(target) != length:
-                raise TransportError("tcp data plane: payload target of the wrong size")
-            self._target, self._got, self._discard = target, 0, 0 if target is not None else length
-            if not length:
-                frames += self._finish_payload()
+            frames += self._begin(Frame(kind, status, req_id, addr, rkey, length))
         return frames
+
+    def _begin(self, frame: Frame) -> int:
+        """Take a frame whose header is parsed: 1 if it is whole already, else 0.
+
+        Every frame but a capsule whose payload is buffered comes here; a payload still
+        to come goes into the handler's target (or is dropped).
+        """
+        if frame.kind not in _TYPES:
+            raise TransportError(f"tcp data plane: unknown frame type {frame.kind}")
+        if not self._has_payload(frame):
+            self._handler.on_frame(frame, None)
+            return 1
+        target = self._handler.payload_target(frame)
+        self._frame = frame
+        length = frame.length
+        if target is not None and len(target) != length:
+            raise TransportError("tcp data plane: payload target of the wrong size")
+        self._target, self._got, self._discard = target, 0, 0 if target is not None else length
+        return 0 if length else self._finish_payload()
 
     def _feed_payload(self) -> int:
         """Move buffered bytes into the pending payload; 1 if it is now whole, else 0."""
@@ -561,6 +591,7 @@ class TcpAgentLink(AgentLink, FrameHandler):
         self.inline_max = inline_max
         # one capsule at a time: the longest is an INLINE SUBMIT of inline_max bytes
         self._capsule = bytearray(max(MAX_CAPSULE, SUBMIT_SIZE + inline_max))
+        self.capsule_limit = len(self._capsule)
         self._sink: LinkSink | None = None
         self._done: list[int] = []  # tokens finished by sends, reported at the next poll
         self._capsules = 0  # CAPSULE frames queued since the last flush
@@ -701,9 +732,9 @@ class TcpAgentLink(AgentLink, FrameHandler):
     def payload_target(self, frame: Frame) -> memoryview | None:
         """FrameHandler: capsules into a small buffer, READ answers into the staging memory."""
         if frame.kind == FrameType.CAPSULE:
-            if frame.length > len(self._capsule):
+            if frame.length > self.capsule_limit:
                 raise TransportError(
-                    f"capsule of {frame.length} bytes exceeds {len(self._capsule)}"
+                    f"capsule of {frame.length} bytes exceeds {self.capsule_limit}"
                 )
             return memoryview(self._capsule)[: frame.length]
         if frame.kind == FrameType.READ_RESP:
@@ -712,6 +743,12 @@ class TcpAgentLink(AgentLink, FrameHandler):
                 raise TransportError("a READ_RESP does not match its READ's length")
             return request.target
         raise TransportError(f"unexpected frame {FrameType(frame.kind).name} from the host")
+
+    def on_capsule_frame(self, payload: memoryview) -> None:
+        """FrameHandler: hand the capsule over."""
+        sink = self._sink
+        assert sink is not None  # noqa: S101 - only inside poll()
+        sink.on_capsule(payload)
 
     def on_frame(self, frame: Frame, payload: memoryview | None) -> None:
         """FrameHandler: hand capsules over; finish answered requests."""
@@ -1025,12 +1062,20 @@ class TcpHostLink(HostLink, FrameHandler):
     def payload_target(self, frame: Frame) -> memoryview | None:
         """FrameHandler: capsules into a small buffer, WRITEs straight into the region."""
         if frame.kind == FrameType.CAPSULE:
-            if frame.length > MAX_CAPSULE:
-                raise TransportError(f"capsule of {frame.length} bytes exceeds {MAX_CAPSULE}")
+            if frame.length > self.capsule_limit:
+                raise TransportError(
+                    f"capsule of {frame.length} bytes exceeds {self.capsule_limit}"
+                )
             return memoryview(self._capsule)[: frame.length]
         if frame.kind == FrameType.WRITE:
             return self._lookup(frame, Access.REMOTE_WRITE)  # None: refused, dropped
         raise TransportError(f"unexpected frame {FrameType(frame.kind).name} from the agent")
+
+    def on_capsule_frame(self, payload: memoryview) -> None:
+        """FrameHandler: hand the capsule over."""
+        self._delivered = True
+        if self._on_capsule is not None:
+            self._on_capsule(payload)
 
     def on_frame(self, frame: Frame, payload: memoryview | None) -> None:
         """FrameHandler: serve READs and WRITEs, hand capsules over."""
@@ -1038,9 +1083,7 @@ class TcpHostLink(HostLink, FrameHandler):
         assert stream is not None  # noqa: S101 - frames come from the stream
         if frame.kind == FrameType.CAPSULE:
             assert payload is not None  # noqa: S101
-            self._delivered = True
-            if self._on_capsule is not None:
-                self._on_capsule(payload)
+            self.on_capsule_frame(payload)
         elif frame.kind == FrameType.READ:
             view = self._lookup(frame, Access.REMOTE_READ)
             if view is None:

@@ -378,9 +378,12 @@ async def test_a_limited_receive_loses_and_reorders_nothing(limit):
         kind = tcp.FrameType.READ_RESP if i % 500 == 0 else rng.choice(kinds)
         size = {tcp.FrameType.WRITE_ACK: 0, tcp.FrameType.READ_RESP: 150_000}.get(kind)
         payload = rng.randbytes(rng.randrange(0, 257) if size is None else size)
-        wire += tcp.pack(kind, 0, i, length=len(payload)) + payload
+        req_id = 0 if kind == tcp.FrameType.CAPSULE else i  # a capsule's is 0 (DP-3-1)
+        if kind == tcp.FrameType.CAPSULE:
+            payload = i.to_bytes(4, "little") + payload[4:]  # its place, to see the order
+        wire += tcp.pack(kind, 0, req_id, length=len(payload)) + payload
         kept = kind in {tcp.FrameType.CAPSULE, tcp.FrameType.READ_RESP}
-        expected.append((kind, i, payload if kept else None))
+        expected.append((kind, req_id, payload if kept else None))
     mine, peer = socket.socketpair()
     handler = _Recorder()
     stream = tcp.FrameStream(mine, handler)
