@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import atexit
 import collections
@@ -356,3 +357,14 @@ def _via_vm(name: str) -> list[Result]:
     print(f"results: {target}")
     fields = {field.name for field in dataclasses.fields(Result)}
     return [Result(**{k: v for k, v in row.items() if k in fields}) for row in doc["results"]]
+
+
+def command_line(doc: str | None) -> None:
+    """Parse a bench module's command line: it takes no options, `--help` prints `doc`.
+
+    Without it, `python -m bench.<name> --help` would run the bench and overwrite its
+    results file.
+    """
+    argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()

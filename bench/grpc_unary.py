@@ -15,6 +15,7 @@ import time
 import grpc
 
 import host_client
+from bench import common
 from bench.common import Result, agent_process, arun, quick, write_results
 from dpu_wire.v1 import agent_pb2, agent_pb2_grpc
 
@@ -62,4 +63,5 @@ def main() -> list[Result]:
 
 
 if __name__ == "__main__":
+    common.command_line(__doc__)
     main()

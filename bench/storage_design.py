@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import common
 from dpu_agent.storage.layout import pack_log_block, write_record
 
 BLOCK = 4096
@@ -170,4 +171,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    common.command_line(__doc__)
     main()

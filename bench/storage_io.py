@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import host_client
+from bench import common
 from bench.common import TAIL, Result, agent_process, arun, quick, write_results
 from dpu_agent.storage import DataServices, FileVolumeStore
 
@@ -396,4 +397,5 @@ def main() -> list[Result]:
 
 
 if __name__ == "__main__":
+    common.command_line(__doc__)
     main()

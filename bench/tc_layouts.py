@@ -38,6 +38,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from bench import common
 from bench.tc_rules import tcp_mbps, udp_mbps
 from dpu_agent.network.tc_backend import TcFlowBackend
 from tests.vm.network.topology import DPU, build, sh, teardown
@@ -159,4 +160,5 @@ def _spread(values: list[float]) -> str:
 
 
 if __name__ == "__main__":
+    common.command_line(__doc__)
     main()

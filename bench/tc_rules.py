@@ -239,4 +239,5 @@ def main() -> list[Result]:
 
 
 if __name__ == "__main__":
+    common.command_line(__doc__)
     main()

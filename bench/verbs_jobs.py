@@ -186,4 +186,5 @@ def main() -> list[Result]:
 
 
 if __name__ == "__main__":
+    common.command_line(__doc__)
     main()

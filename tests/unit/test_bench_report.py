@@ -344,3 +344,34 @@ def test_bench_run_help_runs_nothing_and_an_unknown_bench_is_refused(monkeypatch
     assert ran == []
     assert run.main(["--only", "tc_rules", "--only", "grpc_unary"]) == 0
     assert ran == ["bench.tc_rules", "bench.grpc_unary", "report"]
+
+
+BENCHES_WITHOUT_OPTIONS = (
+    "compute_jobs",
+    "grpc_unary",
+    "storage_design",
+    "storage_io",
+    "tc_layouts",
+    "tc_rules",
+    "tcp_dataplane",
+    "verbs_jobs",
+    "verbs_write",
+)
+
+
+@pytest.mark.parametrize("name", BENCHES_WITHOUT_OPTIONS)
+def test_a_bench_asked_for_help_prints_it_and_runs_nothing(name: str, monkeypatch, capsys):
+    """`python -m bench.<name> --help` describes the bench and exits before it runs
+    (it used to run the whole bench and overwrite its results file)."""
+    module = __import__(f"bench.{name}", fromlist=["main"])
+    ran: list[bool] = []
+    monkeypatch.setattr(module, "main", lambda: ran.append(True))
+    monkeypatch.setattr("sys.argv", [f"{name}.py", "--help"])
+    path, doc = str(module.__file__), str(module.__doc__)
+    source = Path(path).read_text()
+    main_block = source[source.index('if __name__ == "__main__":') :]
+    with pytest.raises(SystemExit) as exit_:
+        exec(compile(main_block, path, "exec"), {**vars(module), "__name__": "__main__"})  # noqa: S102
+    assert exit_.value.code == 0
+    assert not ran
+    assert doc.splitlines()[0] in capsys.readouterr().out
