@@ -51,6 +51,10 @@ Example file (every key optional):
     backend = "file"              # file (a pool file + metadata log; survives crashes) or memory
     dir = ""                      # "" = $STATE_DIRECTORY/volumes (systemd) or
                                   # ~/.local/state/dpu-agent/volumes
+    memory_capacity = 0           # memory backend: the most bytes of RAM its volumes hold
+                                  # (data, log, checkpoints); past it a write fails as on
+                                  # a full disk. 0 = half the memory available at start
+                                  # (MemAvailable, or the cgroup's limit less its usage)
 
     [network]
     backend = "none"              # tc (Linux tc flower), memory (rules kept, no datapath), none
@@ -184,6 +188,7 @@ class AgentConfig:
     inline_max: int = 4096
     storage_backend: str = "file"
     storage_dir: str = ""
+    storage_memory_capacity: int = 0
     network_backend: str = "none"
     network_ports: str = "p0,p1,pf*,rep*"
     network_rules_file: str = ""
@@ -405,6 +410,7 @@ def _plain_number(value: float) -> str:
 
 
 NO_LIMIT: Final = "no limit"
+MIN_MEMORY_CAPACITY: Final = 1 << 20  # the memory store's log and checkpoints take ~300 KiB
 
 
 def _integer(low: int, high: int, off: str = "") -> Number:
@@ -626,6 +632,15 @@ SETTINGS: Final = (
         "volume store: file or memory",
     ),
     Setting("storage", "dir", "storage_dir", "DPU_AGENT_STORAGE_DIR", _path, "volume directory"),
+    Setting(
+        "storage",
+        "memory_capacity",
+        "storage_memory_capacity",
+        "DPU_AGENT_STORAGE_MEMORY_CAPACITY",
+        _integer(MIN_MEMORY_CAPACITY, 1 << 50, off="half the memory available at start"),
+        "memory backend: the most bytes of RAM its volumes hold (data, log, checkpoints); "
+        "past it writes fail as on a full disk (RESOURCE_EXHAUSTED)",
+    ),
     Setting(
         "network",
         "backend",

@@ -42,7 +42,7 @@ from dpu_agent.services.sessions import SessionService
 from dpu_agent.services.storage import StorageService
 from dpu_agent.services.unimplemented import unimplemented_handler
 from dpu_agent.services.virtualization import VirtualizationService
-from dpu_agent.storage import VolumeStore, open_store
+from dpu_agent.storage import MemoryVolumeStore, VolumeStore, open_store
 from dpu_agent.storage.exports import GuardedVolumeStore, VolumeExports
 from dpu_agent.virtualization.factory import open_functions
 from dpu_wire.v1 import (
@@ -211,13 +211,20 @@ def _open_store(config: AgentConfig) -> VolumeStore:
     try:
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        store = open_store(config.storage_backend, directory)
+        store = open_store(
+            config.storage_backend,
+            directory,
+            memory_capacity_bytes=config.storage_memory_capacity,
+        )
     except (AgentError, OSError) as exc:
         where = f" at {directory}" if directory is not None else ""
         raise OSError(
             f"cannot open the {config.storage_backend} volume store{where}: {exc}"
         ) from None
-    log.info("volume store open", extra={"backend": config.storage_backend, "dir": str(directory)})
+    extra: dict[str, object] = {"backend": config.storage_backend, "dir": str(directory)}
+    if isinstance(store, MemoryVolumeStore):
+        extra["capacity_bytes"] = store.capacity_bytes
+    log.info("volume store open", extra=extra)
     return store
 
 

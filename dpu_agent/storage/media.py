@@ -260,11 +260,24 @@ class FileMedia(StoreMedia):
 
 
 class MemoryFile(StoreFile):
-    """A file in RAM: a bytearray that grows as it is written."""
+    """A file in RAM: a bytearray that grows as it is written.
 
-    def __init__(self) -> None:
+    Its growth is charged to `media` (`MemoryMedia.take`): a write that would grow it
+    past the media's capacity fails with OSError(ENOSPC) before it changes anything.
+    """
+
+    def __init__(self, media: MemoryMedia | None = None) -> None:
         self._lock = threading.Lock()
         self._data = bytearray()
+        self._media = media
+
+    def _grow_to(self, end: int) -> None:
+        """Make the file at least `end` bytes long (zeros). Call under the lock."""
+        grow = end - len(self._data)
+        if grow > 0:
+            if self._media is not None:
+                self._media.take(grow)
+            self._data.extend(bytes(grow))
 
     def pread(self, length: int, offset: int) -> bytes:
         """See `StoreFile.pread`."""
@@ -275,18 +288,26 @@ class MemoryFile(StoreFile):
         return got
 
     def pwrite(self, data: bytes | bytearray | memoryview, offset: int) -> None:
-        """See `StoreFile.pwrite`."""
+        """See `StoreFile.pwrite`; OSError(ENOSPC), nothing written, past the capacity."""
         n = memoryview(data).nbytes
         with self._lock:
-            if len(self._data) < offset + n:
-                self._data.extend(bytes(offset + n - len(self._data)))
+            self._grow_to(offset + n)
             self._data[offset : offset + n] = data
+
+    def pwritev(self, buffers: Sequence[bytes | bytearray | memoryview], offset: int) -> None:
+        """See `StoreFile.pwritev`: all of them, or (ENOSPC) none."""
+        sizes = [memoryview(buffer).nbytes for buffer in buffers]
+        with self._lock:
+            self._grow_to(offset + sum(sizes))
+            for buffer, n in zip(buffers, sizes, strict=True):
+                self._data[offset : offset + n] = buffer
+                offset += n
 
     def sync(self) -> None:
         """See `StoreFile.sync`: RAM is as durable as it gets."""
 
     def discard(self, offset: int, length: int) -> None:
-        """See `StoreFile.discard`: zeros (the store counts its free space itself)."""
+        """See `StoreFile.discard`: zeros; the bytes stay held (the store reuses the range)."""
         with self._lock:
             end = min(offset + length, len(self._data))
             if end > offset:
@@ -302,21 +323,63 @@ class MemoryFile(StoreFile):
         with self._lock:
             return len(self._data)
 
+    def detach(self) -> int:
+        """Stop charging growth to the media; returns the bytes the file holds."""
+        with self._lock:
+            self._media = None
+            return len(self._data)
+
     def close(self) -> None:
         """See `StoreFile.close`: the data stays with the media."""
 
 
 class MemoryMedia(StoreMedia):
-    """Files in RAM, for the `memory` backend."""
+    """Files in RAM, for the `memory` backend.
 
-    def __init__(self) -> None:
+    With `capacity_bytes` the files together hold at most that many bytes, as a file
+    system holds at most its size: a write that would grow a file past it fails with
+    OSError(ENOSPC) and writes nothing. A discard gives nothing back (the range stays
+    allocated, and the store reuses it); removing a file gives back all it held.
+    Without it (None) the files grow until the process runs out of memory.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes {capacity_bytes} is not positive")
         self._files: dict[str, MemoryFile] = {}
         self._lock = threading.Lock()
+        self._capacity = capacity_bytes
+        self._held = 0
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The most the files may hold together (None: no bound)."""
+        return self._capacity
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes the files hold now."""
+        with self._lock:
+            return self._held
+
+    def take(self, nbytes: int) -> None:
+        """Charge `nbytes` of growth; OSError(ENOSPC), nothing charged, past the capacity."""
+        with self._lock:
+            if self._capacity is not None and self._held + nbytes > self._capacity:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"the memory store holds {self._held} bytes of its capacity of "
+                    f"{self._capacity}; {nbytes} more do not fit",
+                )
+            self._held += nbytes
 
     def open(self, name: str) -> MemoryFile:
         """See `StoreMedia.open`."""
         with self._lock:
-            return self._files.setdefault(name, MemoryFile())
+            found = self._files.get(name)
+            if found is None:
+                found = self._files[name] = MemoryFile(self)
+            return found
 
     def exists(self, name: str) -> bool:
         """See `StoreMedia.exists`."""
@@ -326,10 +389,17 @@ class MemoryMedia(StoreMedia):
     def remove(self, name: str) -> None:
         """See `StoreMedia.remove`."""
         with self._lock:
-            self._files.pop(name, None)
+            found = self._files.pop(name, None)
+        if found is not None:  # the file's lock is taken before the media's, never inside it
+            size = found.detach()
+            with self._lock:
+                self._held -= size
 
     def free_bytes(self) -> int:
-        """See `StoreMedia.free_bytes`: the physical memory available now."""
+        """See `StoreMedia.free_bytes`: what the capacity leaves, else the memory available."""
+        if self._capacity is not None:
+            with self._lock:
+                return max(0, self._capacity - self._held)
         with contextlib.suppress(ValueError, OSError):
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return 1 << 40

@@ -1,11 +1,14 @@
-"""Fault: the volume store's filesystem fills up (a small tmpfs mounted for the test).
+"""Fault: the volume store fills up: its filesystem (a small tmpfs mounted for the test),
+or the memory backend's capacity ([storage] memory_capacity).
 
-Two thin volumes are created on a `FS_BYTES` tmpfs; one is written in full, the other
-1 MiB at a time until the filesystem is full. The write that finds no space fails
-with RESOURCE_EXHAUSTED ("no space left ..."), by capsule and by SubmitJob; every
-acknowledged byte still reads back (with its CRC32C checked by the agent), also
-after the agent is restarted on the full store; deleting a volume gives the space
-back and writes work again.
+Two thin volumes are created, together larger than the room; one is written in full,
+the other 1 MiB at a time until the store is full. The write that finds no space
+fails with RESOURCE_EXHAUSTED ("no space left ..."), by capsule and by SubmitJob;
+every acknowledged byte still reads back (with its CRC32C checked by the agent), also
+after the agent is restarted on the full store (file backend); deleting a volume gives
+the space back and writes work again. The memory backend fails the same way, so a
+tenant cannot write the agent out of memory (the kernel's OOM killer would take every
+tenant down with it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tests.integration.conftest import start_agent
 pytestmark = pytest.mark.asyncio
 
 FS_BYTES = 24 * MiB
+MEMORY_CAPACITY = FS_BYTES  # the memory backend's room: as much as the tmpfs
 FIRST = "full-a"  # written in full, deleted at the end to make room
 SECOND = "full-b"  # written until the disk is full
 FIRST_BYTES = 12 * MiB
@@ -77,36 +81,74 @@ async def _read_back(session: host_client.Session, written: dict[tuple[str, int]
     await session.free(dst)
 
 
+async def _fill_until_full(
+    client: host_client.Client,
+    session: host_client.Session,
+    written: dict[tuple[str, int], bytes],
+) -> tuple[int, str]:
+    """Create both volumes, write FIRST in full and SECOND until the store is full.
+
+    Checks that the write that found no room failed by capsule and by SubmitJob and
+    the session lives on; returns where SECOND's acknowledged data ends, and the error.
+    """
+    first, second = f"volumes/{FIRST}", f"volumes/{SECOND}"
+    await client.create_volume(FIRST, FIRST_BYTES, crc32c=True, compression="lz4")
+    await client.create_volume(SECOND, SECOND_BYTES, crc32c=True)
+    src = await session.alloc(MiB, readable=True)
+    for offset in range(0, FIRST_BYTES, MiB):
+        src.view[:] = data = random_blocks(MiB)
+        await session.write_volume(first, offset, src, fua=True)
+        written[first, offset] = data
+    with pytest.raises(host_client.ResourceExhaustedError, match="no space left") as full:
+        await _fill(session, src, second, written)
+    full_at = len([key for key in written if key[0] == second]) * MiB
+    assert full_at < SECOND_BYTES, "the store never filled up"
+    job = await session.submit_spec(_write_spec(src, second, full_at))
+    with pytest.raises(host_client.ResourceExhaustedError, match="no space left"):
+        (await job).raise_for_status()
+    assert not session.failed, "a full store must fail the job, not the session"
+    await session.free(src)
+    return full_at, full.value.message
+
+
+async def _make_room_and_finish(
+    client: host_client.Client,
+    session: host_client.Session,
+    written: dict[tuple[str, int], bytes],
+    full_at: int,
+) -> None:
+    """Delete FIRST (its space comes back), write the rest of SECOND, read all back."""
+    first, second = f"volumes/{FIRST}", f"volumes/{SECOND}"
+    await client.delete_volume(first)
+    for key in [key for key in written if key[0] == first]:
+        del written[key]
+    src = await session.alloc(MiB, readable=True)
+    for offset in range(full_at, SECOND_BYTES, MiB):
+        src.view[:] = data = random_blocks(MiB)
+        if offset % (2 * MiB):
+            job = await session.submit_spec(_write_spec(src, second, offset))
+            (await job).raise_for_status()
+        else:
+            await session.write_volume(second, offset, src, fua=True)
+        written[second, offset] = data
+    await _read_back(session, written)
+    assert len(written) * MiB == SECOND_BYTES
+
+
 async def test_a_full_disk_fails_writes_cleanly_and_recovers(small_fs, tmp_path):
     env = {"DPU_AGENT_STORAGE_DIR": str(small_fs / "store")}
     agent = start_agent(tmp_path, env=env)
     written: dict[tuple[str, int], bytes] = {}
-    first, second = f"volumes/{FIRST}", f"volumes/{SECOND}"
     try:
         async with (
             host_client.Client(agent.address, timeout=30) as client,
             await client.open_session(transport="tcp") as session,
         ):
-            await client.create_volume(FIRST, FIRST_BYTES, crc32c=True, compression="lz4")
-            await client.create_volume(SECOND, SECOND_BYTES, crc32c=True)
-            src = await session.alloc(MiB, readable=True)
-            for offset in range(0, FIRST_BYTES, MiB):
-                src.view[:] = data = random_blocks(MiB)
-                await session.write_volume(first, offset, src, fua=True)
-                written[first, offset] = data
-            with pytest.raises(host_client.ResourceExhaustedError, match="no space left") as full:
-                await _fill(session, src, second, written)
-            full_at = len([key for key in written if key[0] == second]) * MiB
-            assert full_at < SECOND_BYTES, "the disk never filled up"
-            job = await session.submit_spec(_write_spec(src, second, full_at))
-            with pytest.raises(host_client.ResourceExhaustedError, match="no space left"):
-                (await job).raise_for_status()
-            assert not session.failed, "a full disk must fail the job, not the session"
+            full_at, message = await _fill_until_full(client, session, written)
             free_left = shutil.disk_usage(small_fs).free
             await _read_back(session, written)
         print(  # noqa: T201 - the numbers the report quotes
-            f"\ndisk full after {len(written)} MiB acknowledged ({free_left} bytes free): "
-            f"{full.value.message}"
+            f"\ndisk full after {len(written)} MiB acknowledged ({free_left} bytes free): {message}"
         )
         assert agent.terminate() == 0, agent.log_path.read_text()
 
@@ -115,21 +157,29 @@ async def test_a_full_disk_fails_writes_cleanly_and_recovers(small_fs, tmp_path)
             host_client.Client(agent.address, timeout=30) as client,
             await client.open_session(transport="tcp") as session,
         ):
-            assert {v.name for v in await client.list_volumes()} == {first, second}
+            names = {v.name for v in await client.list_volumes()}
+            assert names == {f"volumes/{FIRST}", f"volumes/{SECOND}"}
             await _read_back(session, written)
-            await client.delete_volume(first)  # gives its space back
-            for key in [key for key in written if key[0] == first]:
-                del written[key]
-            src = await session.alloc(MiB, readable=True)
-            for offset in range(full_at, SECOND_BYTES, MiB):
-                src.view[:] = data = random_blocks(MiB)
-                if offset % (2 * MiB):
-                    job = await session.submit_spec(_write_spec(src, second, offset))
-                    (await job).raise_for_status()
-                else:
-                    await session.write_volume(second, offset, src, fua=True)
-                written[second, offset] = data
+            await _make_room_and_finish(client, session, written, full_at)
+    finally:
+        assert agent.terminate() == 0, agent.log_path.read_text()
+
+
+async def test_the_memory_backend_fails_writes_past_its_capacity_as_a_full_disk(tmp_path):
+    env = {
+        "DPU_AGENT_STORAGE_BACKEND": "memory",
+        "DPU_AGENT_STORAGE_MEMORY_CAPACITY": str(MEMORY_CAPACITY),
+    }
+    agent = start_agent(tmp_path, env=env)
+    written: dict[tuple[str, int], bytes] = {}
+    try:
+        async with (
+            host_client.Client(agent.address, timeout=30) as client,
+            await client.open_session(transport="tcp") as session,
+        ):
+            full_at, message = await _fill_until_full(client, session, written)
             await _read_back(session, written)
-            assert len(written) * MiB == SECOND_BYTES
+            print(f"\nmemory store full after {len(written)} MiB acknowledged: {message}")  # noqa: T201
+            await _make_room_and_finish(client, session, written, full_at)
     finally:
         assert agent.terminate() == 0, agent.log_path.read_text()
