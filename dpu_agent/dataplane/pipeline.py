@@ -673,15 +673,15 @@ class Pipeline(LinkSink):
         storage = self._storage
         assert storage is not None  # noqa: S101 - queued_write is asked only with a store
         try:
-            delay = storage.throttle(job.volume_id, "write", write.view.nbytes)
+            reservation = storage.throttle(job.volume_id, "write", write.view.nbytes)
         except Exception as exc:  # noqa: BLE001 - as a runner's step: the job ends with it
             self._end_raised(job, None, exc)
             return
-        if delay > 0:
+        if reservation.wait > 0:
             self._arm_sweeper()  # its deadline holds while it waits
             # kept so that ending the job cancels it: the timer holds the job's data
             self._throttled[job.job_id] = self._reactor.call_later(
-                delay, lambda: self._queue_now(job, write)
+                reservation.wait, lambda: self._queue_now(job, write)
             )
         else:
             self._queue_now(job, write)
