@@ -481,7 +481,11 @@ def queued_write(job: JobRecord) -> BatchWrite | None:
 def _throttle(storage: Storage, job: JobRecord, op: str, size: int) -> Runner:
     reservation = storage.throttle(job.volume_id, op, size)
     if reservation.wait > 0:
-        yield Sleep(reservation.wait)
+        try:
+            yield Sleep(reservation.wait)
+        except GeneratorExit:  # the job ended while it waited (`_end_run` closes the runner)
+            reservation.give_back()  # its I/O is never done: later jobs must not wait for it
+            raise
 
 
 def _require(store: Storage | None) -> Storage:
