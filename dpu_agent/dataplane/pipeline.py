@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from dpu_agent.dataplane.regions import RegionTable
     from dpu_agent.dataplane.runners import Op, Storage
     from dpu_agent.dataplane.staging import Buffer, Staging, Waiter
+    from dpu_agent.storage.qos import Reservation
     from dpu_wire.transport.base import AgentLink
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,8 @@ class Pipeline(LinkSink):
         self.by_request: dict[str, int] = {}
         self._runs: dict[int, _Run] = {}  # by token
         self._run_of: dict[int, _Run] = {}  # by job id
-        self._throttled: dict[int, Timer] = {}  # by job id: writes waiting for their QoS
+        # by job id: writes waiting for their QoS, and the tokens they took
+        self._throttled: dict[int, tuple[Timer, Reservation]] = {}
         self._next_token = 1
         self._finished: list[JobRecord] = []
         # this pass's BatchWrites, for one write_batch: a run's, or a whole job's (no run)
@@ -673,16 +675,16 @@ class Pipeline(LinkSink):
         storage = self._storage
         assert storage is not None  # noqa: S101 - queued_write is asked only with a store
         try:
-            delay = storage.throttle(job.volume_id, "write", write.view.nbytes)
+            reservation = storage.throttle(job.volume_id, "write", write.view.nbytes)
         except Exception as exc:  # noqa: BLE001 - as a runner's step: the job ends with it
             self._end_raised(job, None, exc)
             return
-        if delay > 0:
+        if reservation.wait > 0:
             self._arm_sweeper()  # its deadline holds while it waits
-            # kept so that ending the job cancels it: the timer holds the job's data
-            self._throttled[job.job_id] = self._reactor.call_later(
-                delay, lambda: self._queue_now(job, write)
-            )
+            # kept so that ending the job cancels it (the timer holds the job's data) and
+            # gives its tokens back
+            timer = self._reactor.call_later(reservation.wait, lambda: self._queue_now(job, write))
+            self._throttled[job.job_id] = (timer, reservation)
         else:
             self._queue_now(job, write)
 
@@ -938,9 +940,11 @@ class Pipeline(LinkSink):
         c.bytes_written += job.bytes_written
         self._finished.append(job)
         if self._throttled:
-            timer = self._throttled.pop(job.job_id, None)
-            if timer is not None:  # a write waiting for its volume's QoS: it never runs
+            throttled = self._throttled.pop(job.job_id, None)
+            if throttled is not None:  # a write waiting for its volume's QoS: it never runs
+                timer, reservation = throttled
                 timer.cancel()
+                reservation.give_back()  # later jobs of the volume must not wait for it
         token = None if run is None else self._end_run(run)
         if job.origin is Origin.CAPSULE and not self.failed:
             self._send(job.encode_completion(), token)

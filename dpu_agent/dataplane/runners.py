@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from dpu_agent.dataplane.jobs import JobRecord
     from dpu_agent.dataplane.staging import Buffer
     from dpu_agent.errors import AgentError
+    from dpu_agent.storage.qos import Reservation
 
 INLINE_BYTES: Final = 64 << 10  # CRC, hash and storage calls up to this size run inline
 
@@ -131,8 +132,8 @@ class Storage(Protocol):
     def trim(self, volume_id: str, offset: int, length: int) -> None:
         """Forget whole blocks."""
 
-    def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
-        """Seconds to wait before this I/O (QoS), tokens taken."""
+    def throttle(self, volume_id: str, op: str, nbytes: int) -> Reservation:
+        """This I/O's QoS reservation: `wait` seconds before it, `give_back()` if not done."""
 
 
 BUFFERLESS_INLINE: Final = frozenset({JobKind.CRC32C, JobKind.VOLUME_WRITE})
@@ -478,9 +479,13 @@ def queued_write(job: JobRecord) -> BatchWrite | None:
 
 
 def _throttle(storage: Storage, job: JobRecord, op: str, size: int) -> Runner:
-    delay = storage.throttle(job.volume_id, op, size)
-    if delay > 0:
-        yield Sleep(delay)
+    reservation = storage.throttle(job.volume_id, op, size)
+    if reservation.wait > 0:
+        try:
+            yield Sleep(reservation.wait)
+        except GeneratorExit:  # the job ended while it waited (`_end_run` closes the runner)
+            reservation.give_back()  # its I/O is never done: later jobs must not wait for it
+            raise
 
 
 def _require(store: Storage | None) -> Storage:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from dpu_agent.errors import AgentError
     from dpu_agent.storage import VolumeStore
+    from dpu_agent.storage.qos import Reservation
 
 
 class TenantVolumes:
@@ -53,8 +54,8 @@ class TenantVolumes:
         """Forget whole blocks."""
         self._store.trim(self._owned(volume_id), offset, length)
 
-    def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
-        """Seconds to wait before this I/O under the volume's QoS limits (0: none).
+    def throttle(self, volume_id: str, op: str, nbytes: int) -> Reservation:
+        """This I/O's QoS reservation: `wait` seconds before it (0: none), `give_back()`.
 
         Checked like the I/O itself: the tokens are taken before the I/O is tried, so a
         handle to a volume another tenant has made again under the same id must not

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import TracebackType
 
+    from dpu_agent.storage.qos import Reservation
     from dpu_agent.storage.types import (
         DataServices,
         QosLimits,
@@ -172,13 +173,15 @@ class VolumeStore(abc.ABC):
         """Change the volume's QoS limits (durably); its token buckets start full."""
 
     @abc.abstractmethod
-    def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
+    def throttle(self, volume_id: str, op: str, nbytes: int) -> Reservation:
         """Reserve one `op` ("read" or "write") of `nbytes` against the volume's QoS limits.
 
-        Returns the seconds the caller must wait before doing the I/O (0.0 when it is
-        within its limits, or the volume is unknown: the I/O itself reports that).
-        Never blocks and never refuses: the caller waits (asynchronously), then does
-        the I/O. Cheap enough for the event loop's thread.
+        Returns the reservation: `wait`, the seconds the caller must wait before doing
+        the I/O (0.0 when it is within its limits, or the volume is unknown: the I/O
+        itself reports that). Never blocks and never refuses: the caller waits
+        (asynchronously), then does the I/O; if it will not do the I/O after all (its
+        job ended while it waited), it calls `give_back()` on the reservation. Cheap
+        enough for the event loop's thread.
         """
 
     @abc.abstractmethod

@@ -78,7 +78,7 @@ from dpu_agent.storage.layout import (
     write_record,
 )
 from dpu_agent.storage.layout import records as log_records
-from dpu_agent.storage.qos import OPS, VolumeQos, check_qos
+from dpu_agent.storage.qos import NO_WAIT, OPS, Reservation, VolumeQos, check_qos
 from dpu_agent.storage.records import (
     check_write,
     create_record,
@@ -689,12 +689,12 @@ class CowVolumeStore(VolumeStore):
         log.info("set volume qos", extra={"volume_id": volume_id, **dataclasses.asdict(qos)})
         return info
 
-    def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
+    def throttle(self, volume_id: str, op: str, nbytes: int) -> Reservation:
         """See `VolumeStore.throttle`."""
         if op not in OPS:
             raise InvalidArgument(f"op must be one of {', '.join(OPS)}, not {op!r}")
         vol = self._volumes.get(volume_id)
-        return 0.0 if vol is None else vol.qos.throttle(op, nbytes)
+        return NO_WAIT if vol is None else vol.qos.throttle(op, nbytes)
 
     # ------------------------------------------------------------ snapshots and clones
 

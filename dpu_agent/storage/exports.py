@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from dpu_agent.errors import AgentError
     from dpu_agent.storage.backend import BatchedWrite
+    from dpu_agent.storage.qos import Reservation
     from dpu_agent.storage.types import (
         DataServices,
         QosLimits,
@@ -156,7 +157,7 @@ class GuardedVolumeStore(VolumeStore):
         """See `VolumeStore.set_qos` (allowed while exported)."""
         return self.inner.set_qos(volume_id, qos)
 
-    def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
+    def throttle(self, volume_id: str, op: str, nbytes: int) -> Reservation:
         """See `VolumeStore.throttle`."""
         return self.inner.throttle(volume_id, op, nbytes)
 

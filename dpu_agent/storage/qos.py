@@ -3,11 +3,24 @@
 Each limit of a volume (read IOPS, write IOPS, read bytes/s, write bytes/s) is a
 token bucket refilled at the limit's rate and holding at most `BURST_S` seconds of
 it. `throttle(op, nbytes)` takes the tokens an I/O needs at once, going into debt if
-there are not enough, and returns how long the caller must wait before doing the
-I/O (the debt over the rate; the longest of the buckets involved). A reservation is
-never refused and never cancelled: a throttled job waits its turn, in arrival
-order, and the caller does the waiting (the data plane sleeps asynchronously,
-holding no thread). An I/O larger than a whole burst simply waits longer.
+there are not enough, and returns a `Reservation`: how long the caller must wait
+before doing the I/O (the debt over the rate; the longest of the buckets involved).
+A reservation is never refused: a throttled job waits its turn, in arrival order,
+and the caller does the waiting (the data plane sleeps asynchronously, holding no
+thread). An I/O larger than a whole burst simply waits longer.
+
+An I/O that will not be done after all (its job was cancelled, passed its deadline
+or lost its session while it waited) is given back (`Reservation.give_back`): the
+tokens it had yet to wait for return to the buckets, so later I/O of the volume does
+not wait for it. Without that, every job that ends while it waits would leave its
+whole cost as debt, and a host whose throttled jobs keep passing their deadline
+would push the debt, and every later job's wait, up without bound. What the I/O
+already waited for, or took from the stored burst, stays spent. Tokens given back
+go to whoever reserves next: with a bytes/s limit, a small job that arrives then
+may run before a larger one still waiting behind the job given back (the waits
+already handed out do not move). Giving back, rather than taking the tokens only
+once a job may run, keeps a reservation one call under the volume's lock: no queue
+of waiters, and each waiter sleeps on its own reactor thread.
 
 The limits are checked where they are set (`check_qos`): 0 means no limit; a set
 limit lies in the ranges below, so no single 1 MiB job can be made to wait for
@@ -75,6 +88,47 @@ class TokenBucket:
         self._tokens = tokens
         return -tokens / self._rate if tokens < 0 else 0.0
 
+    def give_back(self, cost: float, until: float, now: float) -> None:
+        """Return what is unpaid of `cost` tokens reserved to be used at `until`.
+
+        That is the tokens still to come in for it: at most `(until - now) * rate`.
+        """
+        unpaid = min(cost, (until - now) * self._rate)
+        if unpaid > 0:
+            tokens = min(self.burst, self._tokens + (now - self._stamp) * self._rate)
+            self._stamp = now
+            self._tokens = min(self.burst, tokens + unpaid)
+
+
+class Reservation:
+    """The tokens one I/O took (`VolumeQos.throttle`): `wait` seconds before doing it.
+
+    `give_back()` when the I/O will not be done (see the module docstring); once only,
+    later calls do nothing.
+    """
+
+    __slots__ = ("_parts", "_qos", "wait")
+
+    def __init__(
+        self,
+        wait: float,
+        qos: VolumeQos | None = None,
+        parts: tuple[tuple[TokenBucket, float, float], ...] = (),
+    ) -> None:
+        self.wait = wait
+        self._qos = qos
+        self._parts = parts  # (bucket, cost, when it is paid off), per bucket involved
+
+    def give_back(self) -> None:
+        """Return the tokens the I/O had yet to wait for."""
+        parts, self._parts = self._parts, ()
+        if parts and self._qos is not None:
+            self._qos.give_back(parts)
+
+
+NO_WAIT: Final = Reservation(0.0)
+"""An I/O within its limits (or of a volume without any): nothing to wait or give back."""
+
 
 class VolumeQos:
     """The buckets of one volume, and what they delayed. Thread-safe."""
@@ -104,19 +158,29 @@ class VolumeQos:
                 "write": (bucket(limits.write_iops), bucket(limits.write_bytes_per_second)),
             }
 
-    def throttle(self, op: str, nbytes: int) -> float:
-        """Reserve one `op` of `nbytes`; returns the seconds to wait before doing it."""
+    def throttle(self, op: str, nbytes: int) -> Reservation:
+        """Reserve one `op` of `nbytes`: the seconds to wait before doing it, and its tokens."""
         ops, nbytes_bucket = self._buckets[op]
         if ops is None and nbytes_bucket is None:
-            return 0.0
+            return NO_WAIT
         with self._lock:
             now = self._clock()
             wait = 0.0
-            if ops is not None:
-                wait = ops.reserve(1, now)
-            if nbytes_bucket is not None:
-                wait = max(wait, nbytes_bucket.reserve(nbytes, now))
-            if wait > 0:
-                self.throttled_ops = (self.throttled_ops + 1) & U64_MASK
-                self.delay_us = (self.delay_us + int(wait * 1_000_000)) & U64_MASK
-        return wait
+            parts: list[tuple[TokenBucket, float, float]] = []
+            for bucket, cost in ((ops, 1), (nbytes_bucket, nbytes)):
+                if bucket is not None:
+                    delay = bucket.reserve(cost, now)
+                    wait = max(wait, delay)
+                    parts.append((bucket, cost, now + delay))
+            if wait <= 0:
+                return NO_WAIT  # nothing unpaid to give back, ever
+            self.throttled_ops = (self.throttled_ops + 1) & U64_MASK
+            self.delay_us = (self.delay_us + int(wait * 1_000_000)) & U64_MASK
+        return Reservation(wait, self, tuple(parts))
+
+    def give_back(self, parts: tuple[tuple[TokenBucket, float, float], ...]) -> None:
+        """`Reservation.give_back` (buckets since replaced by `set` take it to no effect)."""
+        with self._lock:
+            now = self._clock()
+            for bucket, cost, until in parts:
+                bucket.give_back(cost, until, now)

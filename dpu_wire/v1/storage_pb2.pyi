@@ -160,8 +160,11 @@ class QosLimits(_message.Message):
     """Per-volume I/O limits, enforced on the DPU by token buckets (1 s of burst); a
     throttled job waits (RUNNING, in arrival order), it is never failed or dropped for
     the limits. Its own deadline still applies while it waits (status 4,
-    DEADLINE_EXCEEDED), as does a cancel; the tokens it took stay spent. 0 = no
-    limit; otherwise IOPS
+    DEADLINE_EXCEEDED), as do a cancel and the end of its session; a job that ends
+    while it waits gives back the tokens it had yet to wait for, so the volume's later
+    jobs do not wait for I/O that was never done (what it waited for stays spent; with
+    a bytes/s limit, a smaller job arriving then may run before larger ones still
+    waiting). 0 = no limit; otherwise IOPS
     1..10,000,000 and bytes/s 65,536..1,099,511,627,776 (INVALID_ARGUMENT outside).
     A VOLUME_TRIM counts as one write operation of no bytes; VOLUME_FLUSH is not
     limited. The limits are the volume owner's: a tenant sets, raises or clears those

@@ -1,8 +1,11 @@
 """Volume I/O jobs through the agent over tcp: data services, errors, durability."""
 
+import time
+
 import pytest
 
 import host_client
+from dpu_wire.v1 import storage_pb2
 from tests.scenarios import volume_faults, volume_io
 
 pytestmark = pytest.mark.asyncio
@@ -60,3 +63,28 @@ async def test_corrupted_block_is_detected_on_read(tmp_path):
 
 async def test_acknowledged_writes_survive_sigkill_of_the_agent(tmp_path):
     await volume_faults.acknowledged_writes_survive_sigkill(tmp_path, "tcp", {})
+
+
+async def test_writes_cancelled_while_qos_holds_them_leave_no_debt(agent):
+    """Writes a volume's QoS holds that the host cancels never run, and give back the
+    tokens they had yet to wait for: the next write waits its own turn, not theirs
+    (storage.proto QosLimits). Before, each left its whole cost as the volume's debt."""
+    async with (
+        host_client.Client(agent.address) as client,
+        await client.open_session(transport="tcp", queue_depth=64) as session,
+    ):
+        name = "volumes/qos-cancelled"
+        await client.create_volume("qos-cancelled", MiB, qos=storage_pb2.QosLimits(write_iops=10))
+        src = await session.alloc(4096, readable=True)
+        # 10 writes go at once (the burst), the 40 others wait their turn: 0.1 s to 4 s
+        jobs = [await session.submit_volume_write(name, i * 4096, src) for i in range(50)]
+        for job in jobs[10:]:
+            await session.cancel(job)
+        states = [(await job).state for job in jobs]
+        assert states.count("CANCELLED") >= 30
+        start = time.monotonic()
+        await session.write_volume(name, 0, src)
+        waited = time.monotonic() - start
+        stats = (await client.get_volume(name)).stats
+    assert stats.write_ops == states.count("SUCCEEDED") + 1  # no cancelled write ran
+    assert waited < 1.0, f"a write waited {waited:.2f} s for {states.count('CANCELLED')} never done"

@@ -19,6 +19,7 @@ from dpu_agent.dataplane import pipeline, runners
 from dpu_agent.dataplane.jobs import JobRecord, Origin
 from dpu_agent.dataplane.regions import RegionTable
 from dpu_agent.errors import InvalidArgument
+from dpu_agent.storage.qos import NO_WAIT, Reservation
 from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_FUA, FLAG_INLINE, JobKind
@@ -51,8 +52,8 @@ class _Store:
     def __init__(self) -> None:
         self.writes: list[tuple[str, int, bytes, bool]] = []
 
-    def throttle(self, _volume_id: str, _op: str, _nbytes: int) -> float:
-        return 0.0
+    def throttle(self, _volume_id: str, _op: str, _nbytes: int) -> Reservation:
+        return NO_WAIT
 
     def write(self, volume_id: str, offset: int, data: memoryview, *, fua: bool) -> None:
         self.writes.append((volume_id, offset, bytes(data), fua))
@@ -178,8 +179,8 @@ class _BatchStore:
         self.delay = delay
         self.error = error
 
-    def throttle(self, _volume_id: str, _op: str, _nbytes: int) -> float:
-        return self.delay
+    def throttle(self, _volume_id: str, _op: str, _nbytes: int) -> Reservation:
+        return Reservation(self.delay)
 
     def write_batch(self, writes: list[tuple[str, int, memoryview]]) -> list[Exception | None]:
         self.batches.append([(v, o, bytes(d)) for v, o, d in writes])
@@ -345,9 +346,9 @@ def test_a_trim_waits_for_its_write_operation_under_qos():
     asked = []
 
     class Throttled(_Store):
-        def throttle(self, volume_id: str, op: str, nbytes: int) -> float:
+        def throttle(self, volume_id: str, op: str, nbytes: int) -> Reservation:
             asked.append((volume_id, op, nbytes))
-            return 0.25
+            return Reservation(0.25)
 
     job = JobRecord(
         1, JobKind.VOLUME_TRIM, Span(), Span(), Origin.CAPSULE, 1e12,

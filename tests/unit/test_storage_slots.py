@@ -20,6 +20,7 @@ from dpu_agent.dataplane import pipeline
 from dpu_agent.dataplane.jobs import JobState
 from dpu_agent.dataplane.regions import RegionTable
 from dpu_agent.errors import NotFound
+from dpu_agent.storage.qos import NO_WAIT
 from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from dpu_agent.dataplane.reactor import Reactor
     from dpu_agent.dataplane.runners import Storage
     from dpu_agent.dataplane.staging import Staging
+    from dpu_agent.storage.qos import Reservation
     from dpu_wire.transport.base import AgentLink
 
 QD = 4
@@ -83,10 +85,10 @@ class _Store:
     def __init__(self) -> None:
         self.gone = False  # the volume was deleted: every job fails as it starts
 
-    def throttle(self, _volume_id: str, _op: str, _nbytes: int) -> float:
+    def throttle(self, _volume_id: str, _op: str, _nbytes: int) -> Reservation:
         if self.gone:
             raise NotFound("the volume is gone")
-        return 0.0
+        return NO_WAIT
 
     def trim(self, _volume_id: str, _offset: int, _length: int) -> None:
         raise AssertionError("the fake workers run no call")

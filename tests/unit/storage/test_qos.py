@@ -20,12 +20,12 @@ class Clock:
 def test_a_bucket_lets_a_burst_through_then_spaces_the_rest():
     clock = Clock()
     qos = VolumeQos(QosLimits(write_iops=10), clock)
-    waits = [qos.throttle("write", 4096) for _ in range(14)]
+    waits = [qos.throttle("write", 4096).wait for _ in range(14)]
     assert waits[:10] == [0.0] * 10  # one second's worth at once
     assert waits[10:] == pytest.approx([0.1, 0.2, 0.3, 0.4])  # then 10 per second, in order
     clock.now += 1.0  # a second later the debt (0.4 s) is paid and 6 tokens are back
-    assert [qos.throttle("write", 4096) for _ in range(7)][-2:] == pytest.approx([0.0, 0.1])
-    assert qos.throttle("read", 1 << 30) == 0.0  # reads are not limited
+    assert [qos.throttle("write", 4096).wait for _ in range(7)][-2:] == pytest.approx([0.0, 0.1])
+    assert qos.throttle("read", 1 << 30).wait == 0.0  # reads are not limited
     assert qos.throttled_ops == 5
     assert qos.delay_us == pytest.approx(1_100_000, abs=10)
 
@@ -33,18 +33,51 @@ def test_a_bucket_lets_a_burst_through_then_spaces_the_rest():
 def test_the_longest_wait_of_ops_and_bytes_counts():
     clock = Clock()
     qos = VolumeQos(QosLimits(read_iops=1000, read_bytes_per_second=MiB), clock)
-    assert qos.throttle("read", MiB) == 0.0
-    assert qos.throttle("read", MiB // 2) == pytest.approx(0.5)
-    assert qos.throttle("read", 8 * MiB) == pytest.approx(8.5)  # larger than a burst: waits longer
+    assert qos.throttle("read", MiB).wait == 0.0
+    assert qos.throttle("read", MiB // 2).wait == pytest.approx(0.5)
+    assert qos.throttle("read", 8 * MiB).wait == pytest.approx(
+        8.5
+    )  # larger than a burst: waits longer
+
+
+def test_reservations_given_back_leave_no_debt_but_what_they_waited_for():
+    """An I/O that will not be done (its job ended while it waited) gives back the tokens
+    it had yet to wait for; what it waited for, or took from the burst, stays spent."""
+    clock = Clock()
+    qos = VolumeQos(QosLimits(write_iops=10), clock)
+    burst = [qos.throttle("write", 4096) for _ in range(10)]
+    waiting = [qos.throttle("write", 4096) for _ in range(4)]
+    assert [r.wait for r in waiting] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    for reservation in burst:
+        reservation.give_back()  # it never waited: the burst stays spent
+    for reservation in waiting[1:]:
+        reservation.give_back()
+    waiting[-1].give_back()  # once only
+    second = qos.throttle("write", 4096)
+    assert second.wait == pytest.approx(0.2)  # behind the one left, as if the 3 never were
+    clock.now += 0.15  # `second` has 0.05 s of its turn (0.1 to 0.2 s) left: half a token
+    second.give_back()
+    assert qos.throttle("write", 4096).wait == pytest.approx(0.1)  # not 0.15, nor 0.05
+
+
+def test_a_give_back_after_new_limits_changes_nothing():
+    clock = Clock()
+    qos = VolumeQos(QosLimits(write_iops=1), clock)
+    qos.throttle("write", 1)
+    waiting = qos.throttle("write", 1)
+    qos.set(QosLimits(write_iops=1))  # buckets start full
+    waiting.give_back()  # to the old bucket: the new one gains nothing
+    qos.throttle("write", 1)
+    assert qos.throttle("write", 1).wait == pytest.approx(1.0)
 
 
 def test_new_limits_start_full():
     clock = Clock()
     qos = VolumeQos(QosLimits(write_iops=1), clock)
     qos.throttle("write", 1)
-    assert qos.throttle("write", 1) == pytest.approx(1.0)
+    assert qos.throttle("write", 1).wait == pytest.approx(1.0)
     qos.set(QosLimits())
-    assert qos.throttle("write", 1) == 0.0
+    assert qos.throttle("write", 1).wait == 0.0
 
 
 @pytest.mark.parametrize(
@@ -71,11 +104,11 @@ def test_the_store_throttles_and_counts(store):
     limits = QosLimits(write_iops=2, read_bytes_per_second=MIN_BYTES_PER_SECOND)
     info = store.create("v", MiB, 4096, DataServices(), qos=limits)
     assert info.qos == limits
-    assert store.throttle("v", "write", 4096) == 0.0
-    assert store.throttle("v", "write", 4096) == 0.0
-    assert store.throttle("v", "write", 4096) > 0.4
-    assert store.throttle("v", "read", 4 * MIN_BYTES_PER_SECOND) > 2.5
-    assert store.throttle("nope", "write", 4096) == 0.0  # the I/O will say NOT_FOUND
+    assert store.throttle("v", "write", 4096).wait == 0.0
+    assert store.throttle("v", "write", 4096).wait == 0.0
+    assert store.throttle("v", "write", 4096).wait > 0.4
+    assert store.throttle("v", "read", 4 * MIN_BYTES_PER_SECOND).wait > 2.5
+    assert store.throttle("nope", "write", 4096).wait == 0.0  # the I/O will say NOT_FOUND
     with pytest.raises(InvalidArgument, match="op must be one of read, write"):
         store.throttle("v", "trim", 4096)
     stats = store.stats("v")
@@ -84,7 +117,7 @@ def test_the_store_throttles_and_counts(store):
     changed = store.set_qos("v", QosLimits())
     assert changed.qos == QosLimits()
     assert changed.update_ns >= info.update_ns
-    assert store.throttle("v", "write", 4096) == 0.0
+    assert store.throttle("v", "write", 4096).wait == 0.0
     with pytest.raises(NotFound):
         store.set_qos("nope", limits)
 
@@ -99,4 +132,4 @@ def test_limits_survive_a_restart(tmp_path):
         assert store.get("a").qos == limits
         assert store.get("b").qos == QosLimits(write_iops=7)
         store.throttle("b", "write", 1)
-        assert store.throttle("b", "write", 1) == 0.0  # full buckets after a restart
+        assert store.throttle("b", "write", 1).wait == 0.0  # full buckets after a restart

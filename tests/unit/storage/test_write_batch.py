@@ -149,4 +149,4 @@ def test_a_foreign_volume_spends_none_of_its_qos_budget(store):
     for _ in range(50):
         with pytest.raises(NotFound):
             tenant.throttle("data", "write", 4096)
-    assert TenantVolumes(store, "t2").throttle("data", "write", 4096) == 0.0
+    assert TenantVolumes(store, "t2").throttle("data", "write", 4096).wait == 0.0
