@@ -12,6 +12,14 @@ reply    = magic u32 0x67446698, error u32, handle u64 [, data for a read]
 
 Commands served: READ, WRITE (FUA honoured), FLUSH, TRIM, DISC. The device's block
 size is the volume's, so the kernel sends whole blocks only.
+
+The volume's QoS limits hold for the device as for data-plane jobs: each READ, WRITE
+and TRIM takes its tokens first and, past the limits, waits for them in this thread
+(requests are served one at a time, so the device's queue waits behind it). The
+kernel's request timeout is off (0): with it, a request that waits longer than the
+timeout for its tokens would make the kernel drop the connection, and the device
+with it. A stopped server is still noticed at once (the socket closes), as is a
+failed store (an error answers the request).
 """
 
 from __future__ import annotations
@@ -59,7 +67,8 @@ REPLY_MAGIC: Final = 0x67446698
 REQUEST: Final = struct.Struct(">IHHQQI")
 REPLY: Final = struct.Struct(">IIQ")
 MAX_REQUEST_BYTES: Final = 32 << 20
-IO_TIMEOUT_S: Final = 30
+KERNEL_TIMEOUT_S: Final = 0  # no request timeout in the kernel: QoS waits (module docstring)
+STOP_TIMEOUT_S: Final = 30  # the threads' join at stop
 SYS_BLOCK: Final = Path("/sys/block")
 
 
@@ -111,10 +120,12 @@ class NbdExport:
         self._ours: socket.socket | None = None
         self._kernels: socket.socket | None = None
         self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()  # ends a QoS wait at once
         self.error: str = ""
 
     def start(self) -> None:
         """Configure the device and start serving it."""
+        self._stopping.clear()
         ours, kernels = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             fd = os.open(self.path, os.O_RDWR)
@@ -127,7 +138,7 @@ class NbdExport:
         try:
             fcntl.ioctl(fd, NBD_SET_BLKSIZE, self.block_size)
             fcntl.ioctl(fd, NBD_SET_SIZE_BLOCKS, self.blocks)
-            fcntl.ioctl(fd, NBD_SET_TIMEOUT, IO_TIMEOUT_S)
+            fcntl.ioctl(fd, NBD_SET_TIMEOUT, KERNEL_TIMEOUT_S)
             fcntl.ioctl(fd, NBD_SET_FLAGS, flags)
             fcntl.ioctl(fd, NBD_SET_SOCK, kernels.fileno())
         except OSError as exc:
@@ -201,25 +212,36 @@ class NbdExport:
 
     def _execute(self, kind: int, flags: int, offset: int, length: int, payload: bytes) -> bytes:
         if kind == NBD_CMD_READ:
+            self._throttle("read", length)
             return self.store.read(self.volume_id, offset, length)
         if kind == NBD_CMD_WRITE:
             fua = bool(flags & NBD_CMD_FLAG_FUA)
+            self._throttle("write", len(payload))
             self.store.write(self.volume_id, offset, payload, fua=fua)
         elif kind == NBD_CMD_FLUSH:
-            self.store.flush(self.volume_id)
+            self.store.flush(self.volume_id)  # not limited, as VOLUME_FLUSH
         elif kind == NBD_CMD_TRIM:
+            self._throttle("write", 0)  # one write operation of no bytes, as VOLUME_TRIM
             self.store.trim(self.volume_id, offset, length)
         else:
             raise OSError(errno.EINVAL, f"unknown NBD command {kind}")
         return b""
 
+    def _throttle(self, op: str, nbytes: int) -> None:
+        """Wait for the volume's QoS tokens of this request (`VolumeStore.throttle`)."""
+        reservation = self.store.throttle(self.volume_id, op, nbytes)
+        if reservation.wait > 0 and self._stopping.wait(reservation.wait):
+            reservation.give_back()  # the export stops: this request is never done
+            raise Unavailable(f"{self.path} is being disconnected")
+
     def stop(self) -> None:
         """Disconnect the device and end the threads (the volume keeps every acknowledged write)."""
+        self._stopping.set()
         if self._fd >= 0:
             with contextlib.suppress(OSError):
                 fcntl.ioctl(self._fd, NBD_DISCONNECT)
         for thread in reversed(self._threads):  # the server first, then the kernel's thread
-            thread.join(timeout=IO_TIMEOUT_S)
+            thread.join(timeout=STOP_TIMEOUT_S)
             if self._ours is not None:
                 with contextlib.suppress(OSError):
                     self._ours.shutdown(socket.SHUT_RDWR)

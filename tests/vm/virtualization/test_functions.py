@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import host_client
-from dpu_wire.v1 import network_pb2, virtualization_pb2
+from dpu_wire.v1 import network_pb2, storage_pb2, virtualization_pb2
 from tests.integration.conftest import start_agent
 from tests.vm.network.topology import ns_socket, ping, sh
 from tests.vm.virtualization.conftest import (
@@ -222,3 +222,32 @@ async def test_a_block_function_is_a_disk_whose_files_land_in_the_volume(agent, 
         assert image[1080:1082] == b"\x53\xef", "no ext4 superblock in the volume"
         assert marker in image, "the file written on the host side is not in the volume"
         await client.delete_volume("volumes/disk0")
+
+
+@pytest.mark.usefixtures("block_ready")
+async def test_a_block_functions_writes_keep_to_its_volumes_qos(agent):
+    """The volume's QoS limits hold for the device's I/O, as for data-plane jobs.
+
+    Direct 4 KiB writes from the host side (one at a time, as dd issues them), past a
+    write IOPS limit's burst: the volume counts them throttled, and all succeed (a
+    throttled request waits, it is never failed; the kernel's NBD timeout is off).
+    """
+    writes, limit = 60, 20  # the 1 s burst of 20 passes, the rest wait ~50 ms each
+    async with host_client.Client(agent.address, timeout=CALL_TIMEOUT) as client:
+        await client.create_volume("slow0", 8 << 20, qos=storage_pb2.QosLimits(write_iops=limit))
+        disk = await client.create_function(
+            "slow0",
+            virtualization_pb2.Function(
+                type=virtualization_pb2.FUNCTION_TYPE_NVME, volume="volumes/slow0"
+            ),
+        )
+        device = disk.host_device
+        try:
+            sh("dd", "if=/dev/urandom", f"of={device}", "bs=4096", f"count={writes}",
+               "oflag=direct", "status=none")  # fmt: skip
+            stats = (await client.get_volume("volumes/slow0")).stats
+        finally:
+            await client.delete_function("functions/slow0")
+        assert stats.write_ops >= writes, stats
+        assert stats.throttled_ops >= writes - limit - 5, stats  # the burst's few refills
+        await client.delete_volume("volumes/slow0")
