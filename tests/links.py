@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import os
 import types
-from typing import TYPE_CHECKING, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from dpu_agent.dataplane.pipeline import Pipeline, SessionHooks
 from dpu_agent.dataplane.reactor import Reactor
@@ -114,11 +114,14 @@ class BacklogLink(StandInLink):
 
 
 class StandInHooks:
-    """A pipeline's session for tests: records what it publishes; `draining` refuses jobs."""
+    """A pipeline's session for tests: records what it publishes and its failure;
+    `draining` refuses jobs; `volumes` maps attached handles to volume ids."""
 
-    def __init__(self) -> None:
-        self.published: list[object] = []
+    def __init__(self, volumes: dict[int, str] | None = None) -> None:
+        self.published: list[Any] = []
+        self.failure: Exception | None = None
         self.draining = False
+        self.volumes = volumes or {}
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -133,8 +136,11 @@ class StandInHooks:
     def rejected(self) -> None:
         pass
 
-    def data_plane_failed(self, _error: object) -> None:
-        pass
+    def volume_of(self, handle: int) -> str | None:
+        return self.volumes.get(handle)
+
+    def data_plane_failed(self, error: Exception) -> None:
+        self.failure = error
 
 
 class StandInReactor:

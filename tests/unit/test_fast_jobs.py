@@ -157,7 +157,7 @@ def test_fast_jobs_become_the_records_the_pipeline_would_make():
     assert (c.jobs_submitted, c.jobs_completed, c.jobs_native, c.jobs_failed) == (2, 2, 2, 0)
     assert (c.bytes_read, c.bytes_written) == (4106, 4106)
     pipe.end_pass()  # published with the pass, as every finished job is
-    assert [job.job_id for job in hooks.published] == [1, 2]  # type: ignore[attr-defined]
+    assert [job.job_id for job in hooks.published] == [1, 2]
 
 
 def test_a_fast_job_whose_completion_was_never_posted_failed():
@@ -224,7 +224,7 @@ def test_jobs_the_link_answered_end_as_it_says():
     assert (c.bytes_read, c.bytes_written) == (65636, 65536)
     assert not link.sent  # the link sent their COMPLETIONs
     pipe.end_pass()
-    assert [job.job_id for job in hooks.published] == [2, 1]  # type: ignore[attr-defined]
+    assert [job.job_id for job in hooks.published] == [2, 1]
 
 
 def test_a_cancel_ends_a_job_the_link_started_and_the_link_writes_nothing_for_it():

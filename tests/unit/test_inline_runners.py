@@ -24,7 +24,7 @@ from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_FUA, FLAG_INLINE, JobKind
 from dpu_wire.transport.base import TransportError
-from tests.links import NoStaging
+from tests.links import NoStaging, StandInHooks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -125,26 +125,6 @@ class _Link:
         return False  # no native core: every capsule goes through the pipeline
 
 
-class _Hooks:
-    """The session side of a pipeline: records the jobs it publishes and its failure."""
-
-    def __init__(self) -> None:
-        self.published: list[JobRecord] = []
-        self.failure: Exception | None = None
-
-    def check_accepting(self) -> None:
-        pass
-
-    def volume_of(self, handle: int) -> str | None:
-        return "v" if handle == 1 else None
-
-    def finished(self, jobs: list[JobRecord]) -> None:
-        self.published.extend(jobs)
-
-    def data_plane_failed(self, error: Exception) -> None:
-        self.failure = error
-
-
 class _Reactor:
     """Records the timers a pipeline sets (call `fire` to run them)."""
 
@@ -189,7 +169,7 @@ class _BatchStore:
 
 def _pipeline(
     link: _Link,
-    hooks: _Hooks,
+    hooks: StandInHooks,
     queue_depth: int = 4,
     *,
     reactor: _Reactor | None = None,
@@ -219,7 +199,7 @@ def test_an_inline_crc_job_finishes_in_one_call_without_a_runner(monkeypatch):
         raise AssertionError("the CRC runner was stepped")
 
     monkeypatch.setitem(runners.RUNNERS, JobKind.CRC32C, no_runner)
-    link, hooks = _Link(), _Hooks()
+    link, hooks = _Link(), StandInHooks({1: "v"})
     pipe = _pipeline(link, hooks)
     pipe.on_capsule(_inline_crc(7))
     (reply,) = link.sent
@@ -234,7 +214,7 @@ def test_an_inline_crc_job_finishes_in_one_call_without_a_runner(monkeypatch):
 def test_completions_the_host_does_not_take_are_bounded(queue_depth):
     """DP-2.6-6: max(1024, 16 x queue_depth) COMPLETIONs wait for a full link; one more
     ends the data plane (each job's slot is free once its COMPLETION is queued)."""
-    link, hooks = _Link(room=0), _Hooks()
+    link, hooks = _Link(room=0), StandInHooks({1: "v"})
     pipe = _pipeline(link, hooks, queue_depth)
     bound = max(1024, 16 * queue_depth)
     for job_id in range(1, bound + 1):
@@ -270,7 +250,7 @@ def test_small_inline_writes_share_one_store_call_without_a_runner(monkeypatch):
     """`runners.queued_write`: the pass's writes go to one write_batch, in order; each job
     ends with its result."""
     _no_runner(monkeypatch)
-    link, hooks, store = _Link(), _Hooks(), _BatchStore()
+    link, hooks, store = _Link(), StandInHooks({1: "v"}), _BatchStore()
     pipe = _pipeline(link, hooks, store=store)
     pipe.on_capsule(_inline_write(1))
     pipe.on_capsule(_inline_write(2))
@@ -284,7 +264,7 @@ def test_small_inline_writes_share_one_store_call_without_a_runner(monkeypatch):
 def test_a_queued_write_the_store_refuses_fails_with_its_status(monkeypatch):
     _no_runner(monkeypatch)
     link, store = _Link(), _BatchStore(error=InvalidArgument("past the end"))
-    pipe = _pipeline(link, _Hooks(), store=store)
+    pipe = _pipeline(link, StandInHooks({1: "v"}), store=store)
     pipe.on_capsule(_inline_write(1))
     pipe.end_pass()
     assert _replies(link) == [(1, State.FAILED, 3, len(DATA))]
@@ -294,7 +274,7 @@ def test_a_queued_write_the_store_refuses_fails_with_its_status(monkeypatch):
 def test_a_fua_write_still_takes_its_runner(monkeypatch):
     _no_runner(monkeypatch)
     link, store = _Link(), _BatchStore()
-    pipe = _pipeline(link, _Hooks(), store=store)
+    pipe = _pipeline(link, StandInHooks({1: "v"}), store=store)
     with pytest.raises(AssertionError, match="runner was stepped"):
         pipe.on_capsule(_inline_write(1, fua=True))
 
@@ -306,7 +286,7 @@ def test_a_queued_write_that_ends_first_writes_nothing(monkeypatch, ending):
     _no_runner(monkeypatch)
     link, reactor = _Link(), _Reactor()
     store = _BatchStore(delay=0.0 if ending == "cancel in the same pass" else 0.5)
-    pipe = _pipeline(link, _Hooks(), reactor=reactor, store=store)
+    pipe = _pipeline(link, StandInHooks({1: "v"}), reactor=reactor, store=store)
     pipe.on_capsule(_inline_write(1, deadline_ms=1))
     if ending == "deadline":
         pipe.open[1].deadline = 0.0  # passed while it waited
@@ -331,7 +311,7 @@ def test_cancelled_writes_waiting_for_qos_leave_no_timer(monkeypatch):
     cancels them leaves nothing behind."""
     _no_runner(monkeypatch)
     link, reactor = _Link(), _Reactor()
-    pipe = _pipeline(link, _Hooks(), reactor=reactor, store=_BatchStore(delay=3600.0))
+    pipe = _pipeline(link, StandInHooks({1: "v"}), reactor=reactor, store=_BatchStore(delay=3600.0))
     for job_id in range(1, 101):
         pipe.on_capsule(_inline_write(job_id))
         pipe.cancel(job_id, "cancelled by request")

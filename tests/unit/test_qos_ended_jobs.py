@@ -23,7 +23,7 @@ from dpu_agent.storage import DataServices, MemoryVolumeStore, QosLimits
 from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_FUA, FLAG_INLINE, JobKind
-from tests.links import NoStaging
+from tests.links import NoStaging, StandInHooks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -58,20 +58,6 @@ class _Link:
         return False
 
 
-class _Hooks:
-    def check_accepting(self) -> None:
-        pass
-
-    def volume_of(self, handle: int) -> str | None:
-        return "v" if handle == 1 else None
-
-    def finished(self, _jobs: list[object]) -> None:
-        pass
-
-    def data_plane_failed(self, _error: Exception) -> None:
-        pass
-
-
 class _Reactor:
     """Records timers (seconds, call); `fire` runs those of some length, `call` is dropped."""
 
@@ -103,7 +89,7 @@ class _Reactor:
 
 def _session(store: MemoryVolumeStore, reactor: _Reactor) -> pipeline.Pipeline:
     return pipeline.Pipeline(
-        hooks=cast("pipeline.SessionHooks", _Hooks()),
+        hooks=cast("pipeline.SessionHooks", StandInHooks({1: "v"})),
         link=cast("AgentLink", _Link()),
         reactor=cast("Reactor", reactor),
         staging=cast("Staging", NoStaging()),

@@ -25,7 +25,7 @@ from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_INLINE, JobKind
 from dpu_wire.transport.base import TransportError
-from tests.links import NoStaging
+from tests.links import NoStaging, StandInHooks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -63,20 +63,6 @@ class _Link:
     def replies(self) -> list[tuple[int, int, int]]:
         """(job id, state, status) of each COMPLETION sent."""
         return [capsule.completion_fields(reply)[:3] for reply in self.sent]
-
-
-class _Hooks:
-    def check_accepting(self) -> None:
-        pass
-
-    def volume_of(self, handle: int) -> str | None:
-        return "v" if handle == 1 else None
-
-    def finished(self, jobs: list[object]) -> None:
-        pass
-
-    def data_plane_failed(self, error: Exception) -> None:
-        pass
 
 
 class _Store:
@@ -157,7 +143,7 @@ def _pipeline(
     link: _Link, reactor: _Reactor, *, store: _Store | None = None, queue_depth: int = QD
 ) -> pipeline.Pipeline:
     return pipeline.Pipeline(
-        hooks=cast("pipeline.SessionHooks", _Hooks()),
+        hooks=cast("pipeline.SessionHooks", StandInHooks({1: "v"})),
         link=cast("AgentLink", link),
         reactor=cast("Reactor", reactor),
         staging=cast("Staging", NoStaging()),  # trims take no staging buffer
