@@ -119,11 +119,12 @@ class Session(SessionHooks):
         self.link = link
         self.address: PeerAddress | None = link.address
         self.settings = settings
-        self.state = SessionState.CONNECTING
+        self.state = SessionState.CONNECTING  # changed by `_set_state` only
         self.error: tuple[int, str] | None = None
         self.failed_at: float | None = None  # monotonic time the data plane failed
         self.host_gone = False  # the data plane failed because the host closed its end
         self.create_ns = time.time_ns()
+        self.update_ns = self.create_ns  # the last change of state
         self.regions = RegionTable()
         self.accepting = True  # False while the agent drains for shutdown
         self.unwatched_since: float | None = time.monotonic()
@@ -162,7 +163,7 @@ class Session(SessionHooks):
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """The link is connected: hand it to the reactor and take jobs."""
-        self.state = SessionState.ACTIVE
+        self._set_state(SessionState.ACTIVE)
         pipeline = self._pipeline
         self._reactor.call(lambda: self._reactor.add(self.link, pipeline, self.tenant))
 
@@ -173,7 +174,7 @@ class Session(SessionHooks):
             return
         self._closing = self._loop.create_future()
         failed = self.state == SessionState.FAILED
-        self.state = SessionState.CLOSING
+        self._set_state(SessionState.CLOSING)
         done = self._loop.create_future()
 
         def closed() -> None:
@@ -187,12 +188,16 @@ class Session(SessionHooks):
         self._end_watchers()
         self.regions.clear()
         self._keys.clear()
-        self.state = SessionState.FAILED if failed else SessionState.CLOSED
+        self._set_state(SessionState.FAILED if failed else SessionState.CLOSED)
         self._closing.set_result(None)
 
     def _end_watchers(self) -> None:
         for watcher in self._watchers:
             watcher.send([None])
+
+    def _set_state(self, state: SessionState) -> None:
+        self.state = state
+        self.update_ns = time.time_ns()
 
     @property
     def active(self) -> bool:
@@ -234,7 +239,7 @@ class Session(SessionHooks):
             return
         message = f"data plane failed: {error}"
         log.warning("session failed", extra={"session": self.name, "error": str(error)})
-        self.state = SessionState.FAILED
+        self._set_state(SessionState.FAILED)
         self.error = (status.UNAVAILABLE, message)
         self.failed_at = time.monotonic()
         self.host_gone = isinstance(error, PeerClosed)

@@ -103,7 +103,9 @@ def session(s: Session, *, with_token: bool = False) -> session_pb2.Session:
         inline_max=s.link.inline_max,
         client_label=s.label,
         agent_endpoint=endpoints.to_proto(_shown(s.address, with_token=with_token)),
-        times=common_pb2.ResourceTimes(create_time=timestamp(s.create_ns)),
+        times=common_pb2.ResourceTimes(
+            create_time=timestamp(s.create_ns), update_time=timestamp(s.update_ns)
+        ),
         counters=session_pb2.SessionCounters(
             jobs_submitted=c.jobs_submitted,
             jobs_completed=c.jobs_completed,

@@ -32,19 +32,37 @@ class _SessionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SessionS
     DESCRIPTOR: _descriptor.EnumDescriptor
     SESSION_STATE_UNSPECIFIED: _SessionState.ValueType  # 0
     SESSION_STATE_CONNECTING: _SessionState.ValueType  # 1
+    """Inside OpenSession, before the data plane is up; never shown (not listed yet)."""
     SESSION_STATE_ACTIVE: _SessionState.ValueType  # 2
+    """Takes jobs."""
     SESSION_STATE_CLOSING: _SessionState.ValueType  # 3
+    """CloseSession (or the agent's own close) is ending its jobs; a SUBMIT then fails
+    with status 9 FAILED_PRECONDITION.
+    """
     SESSION_STATE_CLOSED: _SessionState.ValueType  # 4
+    """Closed; never shown: a closed session answers NOT_FOUND."""
     SESSION_STATE_FAILED: _SessionState.ValueType  # 5
+    """The data plane failed (`error` says why); jobs fail with status 9."""
 
-class SessionState(_SessionState, metaclass=_SessionStateEnumTypeWrapper): ...
+class SessionState(_SessionState, metaclass=_SessionStateEnumTypeWrapper):
+    """What GetSession and ListSessions show: ACTIVE, CLOSING and FAILED. A session is
+    listed from the moment OpenSession answers (it is ACTIVE then); once closed it is
+    forgotten (NOT_FOUND), and a FAILED one is kept a while to be read, then closed.
+    """
 
 SESSION_STATE_UNSPECIFIED: SessionState.ValueType  # 0
 SESSION_STATE_CONNECTING: SessionState.ValueType  # 1
+"""Inside OpenSession, before the data plane is up; never shown (not listed yet)."""
 SESSION_STATE_ACTIVE: SessionState.ValueType  # 2
+"""Takes jobs."""
 SESSION_STATE_CLOSING: SessionState.ValueType  # 3
+"""CloseSession (or the agent's own close) is ending its jobs; a SUBMIT then fails
+with status 9 FAILED_PRECONDITION.
+"""
 SESSION_STATE_CLOSED: SessionState.ValueType  # 4
+"""Closed; never shown: a closed session answers NOT_FOUND."""
 SESSION_STATE_FAILED: SessionState.ValueType  # 5
+"""The data plane failed (`error` says why); jobs fail with status 9."""
 Global___SessionState: _TypeAlias = SessionState  # noqa: Y015
 
 class _RegionAccess:
@@ -203,7 +221,9 @@ class Session(_message.Message):
         """
 
     @_builtins.property
-    def times(self) -> _common_pb2.ResourceTimes: ...
+    def times(self) -> _common_pb2.ResourceTimes:
+        """create_time: OpenSession; update_time: the last change of state. Output only."""
+
     @_builtins.property
     def counters(self) -> Global___SessionCounters: ...
     @_builtins.property
@@ -235,6 +255,11 @@ Global___Session: _TypeAlias = Session  # noqa: Y015
 
 @_typing.final
 class SessionCounters(_message.Message):
+    """Counted since OpenSession, over capsule and SubmitJob jobs alike. A capsule that
+    makes no job (undecodable, a job id in use or of the agent's range) counts nowhere;
+    a SUBMIT refused at admission is a job (submitted and failed).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     JOBS_SUBMITTED_FIELD_NUMBER: _builtins.int
@@ -246,12 +271,15 @@ class SessionCounters(_message.Message):
     JOBS_NATIVE_FIELD_NUMBER: _builtins.int
     jobs_submitted: _builtins.int
     jobs_completed: _builtins.int
+    """jobs that ended SUCCEEDED"""
     jobs_failed: _builtins.int
+    """jobs that ended FAILED or CANCELLED"""
     bytes_read: _builtins.int
-    """RDMA READ from host memory"""
+    """read from host memory: RDMA READs and inline sources"""
     bytes_written: _builtins.int
     """RDMA WRITE into host memory"""
     regions: _builtins.int
+    """regions advertised now"""
     jobs_native: _builtins.int
     """Of jobs_completed: COPY jobs the agent's verbs link ran in its native core,
     without the Python pipeline's runners: inline ones, and ones of at most 64 KiB it

@@ -109,7 +109,9 @@ class SessionServiceServicer:
     def CloseSession(self, request, context):
         """Closes a session: pending jobs end CANCELLED, the queue pair is
         destroyed and every region is forgotten. An unknown name, or another
-        tenant's session, is NOT_FOUND.
+        tenant's session, is NOT_FOUND. It answers once that is done, which may take up
+        to 0.5 s while the agent's READs and WRITEs of the ended jobs are still unanswered
+        by the host (data-plane.md section 1.5).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

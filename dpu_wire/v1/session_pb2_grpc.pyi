@@ -44,7 +44,9 @@ class SessionServiceStub:
     CloseSession: _grpc.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]
     """Closes a session: pending jobs end CANCELLED, the queue pair is
     destroyed and every region is forgotten. An unknown name, or another
-    tenant's session, is NOT_FOUND.
+    tenant's session, is NOT_FOUND. It answers once that is done, which may take up
+    to 0.5 s while the agent's READs and WRITEs of the ended jobs are still unanswered
+    by the host (data-plane.md section 1.5).
     """
     AdvertiseRegions: _grpc.UnaryUnaryMultiCallable[_session_pb2.AdvertiseRegionsRequest, _session_pb2.AdvertiseRegionsResponse]
     """Advertises host memory regions the agent may READ and/or WRITE, all or none.
@@ -80,7 +82,9 @@ class SessionServiceAsyncStub(SessionServiceStub):
     CloseSession: _aio.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]  # type: ignore[assignment]
     """Closes a session: pending jobs end CANCELLED, the queue pair is
     destroyed and every region is forgotten. An unknown name, or another
-    tenant's session, is NOT_FOUND.
+    tenant's session, is NOT_FOUND. It answers once that is done, which may take up
+    to 0.5 s while the agent's READs and WRITEs of the ended jobs are still unanswered
+    by the host (data-plane.md section 1.5).
     """
     AdvertiseRegions: _aio.UnaryUnaryMultiCallable[_session_pb2.AdvertiseRegionsRequest, _session_pb2.AdvertiseRegionsResponse]  # type: ignore[assignment]
     """Advertises host memory regions the agent may READ and/or WRITE, all or none.
@@ -137,7 +141,9 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_session_pb2.CloseSessionResponse, _abc.Awaitable[_session_pb2.CloseSessionResponse]]:
         """Closes a session: pending jobs end CANCELLED, the queue pair is
         destroyed and every region is forgotten. An unknown name, or another
-        tenant's session, is NOT_FOUND.
+        tenant's session, is NOT_FOUND. It answers once that is done, which may take up
+        to 0.5 s while the agent's READs and WRITEs of the ended jobs are still unanswered
+        by the host (data-plane.md section 1.5).
         """
 
     @_abc_1.abstractmethod

@@ -68,3 +68,34 @@ async def test_host_killed_the_agent_frees_its_session(tmp_path):
         assert agent.terminate() == 0
     logs = [e.get("msg") for e in agent.log_entries()]
     assert "session failed" in logs or "closing orphaned session" in logs
+
+
+async def test_a_failed_sessions_update_time_is_when_it_failed(tmp_path):
+    """Session.times: create_time at OpenSession, update_time at its last change of state."""
+    agent = start_agent(tmp_path)
+    try:
+        host = subprocess.Popen(  # noqa: ASYNC220 - starting it is quick
+            [sys.executable, "-c", CLIENT, agent.address], stdout=subprocess.PIPE, text=True
+        )
+        assert host.stdout is not None
+        name = (await asyncio.wait_for(asyncio.to_thread(host.stdout.readline), 60)).strip()
+        async with host_client.Client(agent.address) as client:
+            active = await client.get_session(name)
+            assert active.state == session_pb2.SESSION_STATE_ACTIVE
+            created = active.times.create_time.ToNanoseconds()
+            assert active.times.update_time.ToNanoseconds() >= created > 0
+            host.send_signal(signal.SIGKILL)  # the host's end of the connection closes
+            host.wait(10)
+            for _ in range(200):
+                failed = await client.get_session(name)
+                if failed.state == session_pb2.SESSION_STATE_FAILED:
+                    break
+                await asyncio.sleep(0.05)
+            assert failed.state == session_pb2.SESSION_STATE_FAILED
+            assert failed.times.create_time.ToNanoseconds() == created
+            assert (
+                failed.times.update_time.ToNanoseconds() > active.times.update_time.ToNanoseconds()
+            )
+        host.stdout.close()
+    finally:
+        assert agent.terminate() == 0
