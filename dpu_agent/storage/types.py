@@ -59,7 +59,9 @@ class DataServices:
 class QosLimits:
     """Per-volume I/O limits, enforced by token buckets on the DPU; 0 = no limit.
 
-    An operation is one read or write call (one job); bytes count its length.
+    An operation is one read or write of at most `[dataplane] chunk_size` bytes: a
+    data-plane job counts one per chunk it moves (a 4 MiB write job, four at 1 MiB), a
+    block function's device one per request; bytes count their length.
     """
 
     read_iops: int = 0

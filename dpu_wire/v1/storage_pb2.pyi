@@ -166,8 +166,9 @@ class QosLimits(_message.Message):
     a bytes/s limit, a smaller job arriving then may run before larger ones still
     waiting). 0 = no limit; otherwise IOPS
     1..10,000,000 and bytes/s 65,536..1,099,511,627,776 (INVALID_ARGUMENT outside).
-    A VOLUME_TRIM counts as one write operation of no bytes; VOLUME_FLUSH is not
-    limited. The same limits hold for a block function's device I/O while the volume is
+    An operation is one chunk of a job (`[dataplane] chunk_size`, 1 MiB by default:
+    a 4 MiB VOLUME_WRITE counts four). A VOLUME_TRIM counts as one write operation of
+    no bytes; VOLUME_FLUSH is not limited. The same limits hold for a block function's device I/O while the volume is
     exported (each read, write and trim request the device sends; a flush is not
     limited): such a request waits in the agent, and the kernel's NBD request timeout
     is off, so it is never failed for the wait (a host's own command timeout, such as
