@@ -106,7 +106,7 @@ Example file (every key optional):
                                   # mode 0600); "" = every local caller is the local admin
 
     [quota]                       # per tenant; 0 = no limit
-    max_volumes = 0
+    max_volumes = 1024            # volumes (clones too) of a tenant (on by default)
     max_volume_bytes = 0          # total size of the tenant's volumes
     max_snapshots = 1024          # snapshots of a tenant (on by default)
     max_sessions = 16             # open sessions of a tenant (on by default)
@@ -218,7 +218,7 @@ class AgentConfig:
     tls_client_ca: str = ""
     tls_plaintext_loopback: bool = False
     auth_tokens_file: str = ""
-    quota_max_volumes: int = 0
+    quota_max_volumes: int = 1024
     quota_max_volume_bytes: int = 0
     quota_max_snapshots: int = 1024
     quota_max_sessions: int = 16

@@ -6,7 +6,9 @@ and the limit. Callers make check-and-create atomic (a lock, or a reservation) s
 concurrent calls cannot both slip under a limit. Admins are bound like everyone else.
 
 - max_volumes, max_volume_bytes: volumes a tenant owns and their total size (create,
-  resize). Enforced by the StorageService.
+  resize). A volume holds no bytes until it is written, so only a count bounds the
+  volumes of a tenant without max_volume_bytes: max_volumes is on by default (1024;
+  a clone counts). Enforced by the StorageService.
 - max_snapshots: snapshots a tenant owns (they outlive their volumes, and one of an
   empty volume holds no bytes: only a count bounds them). On by default (1024).
   Enforced by the StorageService.

@@ -11,7 +11,11 @@ Quotas (`[quota] max_volumes`, `max_volume_bytes`) bound what a tenant can come 
 hold, so that no write ever fails on a quota: its volumes count their provisioned
 size (a clone too: it may be overwritten in full), its snapshots the bytes they hold
 (what was written before them, which they keep while the volume moves on). They are
-checked by create, clone, growth and snapshot. `max_snapshots` bounds the number of
+checked by create, clone, growth and snapshot. `max_volumes` bounds the number of
+volumes, clones included (1024 by default): a volume holds no bytes until written,
+and `max_volume_bytes` is off by default, so without it a tenant could make volumes
+without end, each one kept in the agent's memory and walked by every tenant's create
+and list. `max_snapshots` bounds the number of
 snapshots (1024 by default): a snapshot of an empty volume holds no bytes, and
 snapshots outlive their volumes, so without it a tenant could pile them up for free.
 """

@@ -93,7 +93,9 @@ class StorageServiceServicer:
     def CreateVolume(self, request, context):
         """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
         INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
-        encryption_key on a volume without encryption.
+        encryption_key on a volume without encryption. RESOURCE_EXHAUSTED past the
+        tenant's quota: [quota] max_volumes (1024 by default; a clone counts), or
+        max_volume_bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

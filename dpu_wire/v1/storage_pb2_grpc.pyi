@@ -45,7 +45,9 @@ class StorageServiceStub:
     CreateVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.CreateVolumeRequest, _storage_pb2.Volume]
     """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
     INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
-    encryption_key on a volume without encryption.
+    encryption_key on a volume without encryption. RESOURCE_EXHAUSTED past the
+    tenant's quota: [quota] max_volumes (1024 by default; a clone counts), or
+    max_volume_bytes.
     """
     GetVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetVolumeRequest, _storage_pb2.Volume]
     ListVolumes: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ListVolumesRequest, _storage_pb2.ListVolumesResponse]
@@ -83,7 +85,9 @@ class StorageServiceAsyncStub(StorageServiceStub):
     CreateVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.CreateVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
     INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
-    encryption_key on a volume without encryption.
+    encryption_key on a volume without encryption. RESOURCE_EXHAUSTED past the
+    tenant's quota: [quota] max_volumes (1024 by default; a clone counts), or
+    max_volume_bytes.
     """
     GetVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     ListVolumes: _aio.UnaryUnaryMultiCallable[_storage_pb2.ListVolumesRequest, _storage_pb2.ListVolumesResponse]  # type: ignore[assignment]
@@ -124,7 +128,9 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_storage_pb2.Volume, _abc.Awaitable[_storage_pb2.Volume]]:
         """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
         INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
-        encryption_key on a volume without encryption.
+        encryption_key on a volume without encryption. RESOURCE_EXHAUSTED past the
+        tenant's quota: [quota] max_volumes (1024 by default; a clone counts), or
+        max_volume_bytes.
         """
 
     @_abc_1.abstractmethod

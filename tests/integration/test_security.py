@@ -480,6 +480,42 @@ async def test_snapshot_quota_counts_snapshots_that_hold_nothing_and_outlive_the
         await b.delete_volume("volumes/sq-b")
 
 
+@pytest.fixture(scope="module")
+def default_quota_agent(tmp_path_factory, pki):
+    """An agent with the default [quota] (the memory store: many creates, quickly)."""
+    env = {"DPU_AGENT_STORAGE_BACKEND": "memory", "DPU_AGENT_NETWORK_BACKEND": "memory"}
+    agent = start_agent(tmp_path_factory.mktemp("default-quota-agent"), pki=pki, env=env)
+    yield agent
+    assert agent.terminate() == 0, agent.log_path.read_text()
+
+
+@pytest.mark.asyncio
+async def test_volumes_are_bounded_per_tenant_by_default(default_quota_agent, pki):
+    """A volume holds no bytes until written, so without max_volumes (0 by default, and
+    max_volume_bytes too) one tenant made volumes without end: ~380 a second, 3.4 KB of
+    the agent's memory each, and every tenant's create and list walks all of them (an
+    audit). max_volumes is 1024 by default; a clone is a volume and counts."""
+    agent = default_quota_agent
+    async with (
+        tenant(agent, pki, "tenant-v", timeout=60.0) as v,
+        tenant(agent, pki, "tenant-w") as w,
+    ):
+        await v.create_volume("dv-0", MiB)
+        await v.create_snapshot("dv-snap", "volumes/dv-0")
+        for first in range(1, 1024, 128):
+            await asyncio.gather(
+                *(v.create_volume(f"dv-{i}", MiB) for i in range(first, min(first + 128, 1024)))
+            )
+        with pytest.raises(host_client.ResourceExhaustedError, match="max_volumes") as hit:
+            await v.create_volume("dv-1024", MiB)
+        assert "tenant 'tenant-v' would hold 1025 volumes; its quota is 1024" in hit.value.message
+        with pytest.raises(host_client.ResourceExhaustedError, match="max_volumes"):
+            await v.clone_volume("dv-clone", "snapshots/dv-snap")
+        await w.create_volume("dw-0", MiB)  # per tenant: W has its own
+        await v.delete_volume("volumes/dv-1")
+        await v.clone_volume("dv-clone", "snapshots/dv-snap")
+
+
 @pytest.mark.asyncio
 async def test_a_bad_size_is_invalid_argument_whatever_the_quota(quota_agent, pki):
     """The size is checked before the quota: with a quota set, 2^64-1 bytes answered
