@@ -1,6 +1,7 @@
 """The small interface a datapath implements for the network service.
 
-Synchronous and thread-safe; the service calls it through `asyncio.to_thread`. Every
+Synchronous and thread-safe; the service calls it in a thread
+(`dpu_agent.offload.in_thread`). Every
 method raises domain errors only (`dpu_agent.errors`): NotFound for an unknown port,
 InvalidArgument for something the datapath cannot express, FailedPrecondition when
 the kernel refuses (with the kernel's reason), Unavailable when it cannot be reached.

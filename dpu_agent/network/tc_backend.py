@@ -73,8 +73,8 @@ pyroute2 0.9.7 has no flower classifier, no tunnel_key action and no action
 cookies, and its synchronous API gives every calling thread its own socket and
 event loop (~0.45 ms per request). So `rtnl` speaks rtnetlink itself over one
 socket with extended acks, guarded by one lock here: every method is thread-safe
-and callable from `asyncio.to_thread`. pyroute2 provides what it has: entering a
-named network namespace, decoding link messages (`ifinfmsg`: state, MAC, MTU,
+and callable from a thread (`dpu_agent.offload.in_thread`). pyroute2 provides what
+it has: entering a named network namespace, decoding link messages (`ifinfmsg`: state, MAC, MTU,
 nl.IFLA_STATS64) and tc's token-bucket arithmetic for the policer.
 """
 

@@ -27,6 +27,7 @@ from dpu_agent.network import model
 from dpu_agent.network.access import check_rule_access
 from dpu_agent.network.table import Applied, Changes
 from dpu_agent.network.tags import TenantTags
+from dpu_agent.offload import in_thread
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_wire import names
@@ -279,7 +280,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
 
     async def _owned(self, rule_id: str) -> model.FlowRule:
         """The rule, if the caller may see it; NotFound as for a missing one otherwise."""
-        rule = await asyncio.to_thread(self._table.get, rule_id)
+        rule = await in_thread(self._table.get, rule_id)
         auth.check_owner(rule.tenant, f"flowRules/{rule_id}")  # the table's not-found text
         return rule
 
@@ -293,7 +294,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
     ) -> network_pb2.ListPortsResponse:
         """Every managed port (one page: a DPU has few). Admin role."""
         auth.require_admin("listing the ports")
-        ports, functions = await asyncio.to_thread(self._ports)
+        ports, functions = await in_thread(self._ports)
         return network_pb2.ListPortsResponse(
             ports=[port_to(p, functions.get(p.name, "")) for p in ports]
         )
@@ -304,7 +305,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         """One port. Admin role; NotFound if the agent does not manage it."""
         auth.require_admin("reading a port")
         wanted = port_name(request.name, "name")
-        ports, functions = await asyncio.to_thread(self._ports)
+        ports, functions = await in_thread(self._ports)
         for port in ports:
             if port.name == wanted:
                 return port_to(port, functions.get(port.name, ""))
@@ -322,7 +323,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         async with self._creating:
             owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
             self._quotas.check_flow_rules(tenant, owned + 1)
-            created = await asyncio.to_thread(self._checked, rule, principal, replace=False)
+            created = await in_thread(self._checked, rule, principal, replace=False)
         return rule_to(created)
 
     async def GetFlowRule(
@@ -331,7 +332,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         """One rule with its counters."""
         (rule_id,) = names.parse_name(request.name, "flowRules")
         rule = await self._owned(rule_id)
-        counters = await asyncio.to_thread(self._table.counters, rule_id, rule.tenant)
+        counters = await in_thread(self._table.counters, rule_id, rule.tenant)
         return rule_to(rule, counters)
 
     async def ListFlowRules(
@@ -385,7 +386,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             tenant=old.tenant,  # the table refuses it if the id changed hands meanwhile
         )
         principal = auth.current_principal()
-        return rule_to(await asyncio.to_thread(self._checked, new, principal, replace=True))
+        return rule_to(await in_thread(self._checked, new, principal, replace=True))
 
     async def DeleteFlowRule(
         self,
@@ -396,7 +397,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         (rule_id,) = names.parse_name(request.name, "flowRules")
         rule = await self._owned(rule_id)
         # the table checks the owner again: the id may have changed hands meanwhile
-        await asyncio.to_thread(self._table.delete, rule_id, rule.tenant)
+        await in_thread(self._table.delete, rule_id, rule.tenant)
         return network_pb2.DeleteFlowRuleResponse()
 
     async def ApplyFlowRules(
@@ -424,7 +425,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         deletes = tuple(
             resource_id(n, "flowRules", f"deletes[{i}]") for i, n in enumerate(request.deletes)
         )
-        olds = await asyncio.to_thread(self._owned_rules, [*update_ids, *deletes])
+        olds = await in_thread(self._owned_rules, [*update_ids, *deletes])
         updates = []
         for i, (rule_id, incoming) in enumerate(zip(update_ids, request.updates, strict=True)):
             old = olds[i]
@@ -443,7 +444,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             leaving = sum(1 for r in olds[len(update_ids) :] if r.tenant == tenant)
             if creates:
                 self._quotas.check_flow_rules(tenant, owned + len(creates) - leaving)
-            applied = await asyncio.to_thread(
+            applied = await in_thread(
                 self._apply_bulk, changes, owners, principal, request.validate_only
             )
         return network_pb2.ApplyFlowRulesResponse(
@@ -523,7 +524,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
             while True:
                 visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
                 ids = wanted or visible[:MAX_WATCHED_RULES]
-                counters = await asyncio.to_thread(  # rules that changed hands are left out
+                counters = await in_thread(  # rules that changed hands are left out
                     self._table.counters_many, ids, None if principal.admin else principal.tenant
                 )
                 for rule_id in ids:

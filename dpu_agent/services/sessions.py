@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 from dpu_agent import auth
 from dpu_agent.dataplane.regions import MAX_REGIONS_PER_SESSION, AdvertisedRegion
 from dpu_agent.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from dpu_agent.offload import in_thread
 from dpu_agent.services import convert
 from dpu_wire import names
 from dpu_wire.v1 import session_pb2, session_pb2_grpc
@@ -76,7 +77,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
         """NotFound unless the volume exists and is the session tenant's (as if missing)."""
         if self._store is None:
             raise FailedPrecondition("this agent has no volume store")
-        info = await asyncio.to_thread(self._store.get, volume_id)
+        info = await in_thread(self._store.get, volume_id)
         if info.tenant != session.tenant:
             raise NotFound(f"volume {volume_id!r} does not exist")
 

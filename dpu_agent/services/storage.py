@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument
+from dpu_agent.offload import in_thread
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_agent.storage import Compression, DataServices, Encryption, QosLimits
@@ -161,28 +162,26 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
 
     async def _owned(self, ident: str) -> VolumeInfo:
         """The volume, if the caller may see it; NotFound as for a missing one otherwise."""
-        info = await asyncio.to_thread(self._store.get, ident)
+        info = await in_thread(self._store.get, ident)
         auth.check_owner(info.tenant, f"volume {ident!r}")  # the store's own not-found text
         return info
 
     async def _owned_snapshot(self, ident: str) -> SnapshotInfo:
-        info = await asyncio.to_thread(self._store.get_snapshot, ident)
+        info = await in_thread(self._store.get_snapshot, ident)
         auth.check_owner(info.tenant, f"snapshot {ident!r}")
         return info
 
     async def _volume(self, ident: str) -> storage_pb2.Volume:
         info = await self._owned(ident)
-        stats = await asyncio.to_thread(self._store.stats, ident)
+        stats = await in_thread(self._store.stats, ident)
         return to_proto(info, stats)
 
     async def _check_quota(
         self, tenant: str, volumes: int, more_bytes: int, snapshots: int = 0
     ) -> None:
         """The tenant's holdings and `volumes`, `more_bytes`, `snapshots` more would fit."""
-        owned = [v for v in await asyncio.to_thread(self._store.list) if v.tenant == tenant]
-        snaps = [
-            s for s in await asyncio.to_thread(self._store.list_snapshots) if s.tenant == tenant
-        ]
+        owned = [v for v in await in_thread(self._store.list) if v.tenant == tenant]
+        snaps = [s for s in await in_thread(self._store.list_snapshots) if s.tenant == tenant]
         if snapshots:
             self._quotas.check_snapshots(tenant, len(snaps) + snapshots)
         held = sum(v.size_bytes for v in owned) + sum(s.allocated_bytes for s in snaps)
@@ -216,7 +215,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         self._check_size(spec.size_bytes, check_block_size(spec.block_size or 4096))
         async with self._changes:
             await self._check_quota(tenant, 1, spec.size_bytes)
-            info = await asyncio.to_thread(
+            info = await in_thread(
                 lambda: self._store.create(
                     request.volume_id,
                     spec.size_bytes,
@@ -245,7 +244,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
             size = spec.size_bytes or snap.size_bytes
             self._check_size(size, snap.block_size)
             await self._check_quota(snap.tenant, 1, size)
-            info = await asyncio.to_thread(
+            info = await in_thread(
                 lambda: self._store.clone(
                     source, request.volume_id, size, tenant=snap.tenant, qos=qos_from(spec.qos)
                 )
@@ -263,9 +262,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.ListVolumesResponse:
         """A page of the caller's volumes (an admin's: every volume) in id order."""
         principal = auth.current_principal()
-        volumes = [
-            v for v in await asyncio.to_thread(self._store.list) if principal.can_see(v.tenant)
-        ]
+        volumes = [v for v in await in_thread(self._store.list) if principal.can_see(v.tenant)]
         page, token = paging.page(
             volumes, lambda v: v.volume_id, request.page_size, request.page_token
         )
@@ -295,8 +292,8 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
                     for f in QOS_FIELDS
                 }
             )
-            updated = await asyncio.to_thread(self._store.set_qos, ident, qos)
-        stats = await asyncio.to_thread(self._store.stats, ident)
+            updated = await in_thread(self._store.set_qos, ident, qos)
+        stats = await in_thread(self._store.stats, ident)
         return to_proto(updated, stats)
 
     async def ResizeVolume(
@@ -309,7 +306,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
             self._check_size(request.size_bytes, info.block_size)
             if request.size_bytes > info.size_bytes:
                 await self._check_quota(info.tenant, 0, request.size_bytes - info.size_bytes)
-            resized = await asyncio.to_thread(
+            resized = await in_thread(
                 lambda: self._store.resize(ident, request.size_bytes, force=request.force)
             )
         return to_proto(resized)
@@ -321,7 +318,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         ident = volume_id(request.name)
         async with self._changes:
             await self._owned(ident)
-            await asyncio.to_thread(self._store.delete, ident)
+            await in_thread(self._store.delete, ident)
         return storage_pb2.DeleteVolumeResponse()
 
     # ------------------------------------------------------------ snapshots
@@ -335,9 +332,9 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         source = resource_id(request.snapshot.source_volume, "volumes", "snapshot.source_volume")
         async with self._changes:
             volume = await self._owned(source)
-            held = (await asyncio.to_thread(self._store.stats, source)).allocated_bytes
+            held = (await in_thread(self._store.stats, source)).allocated_bytes
             await self._check_quota(volume.tenant, 0, held, 1)  # the snapshot takes them over
-            info = await asyncio.to_thread(self._store.create_snapshot, source, request.snapshot_id)
+            info = await in_thread(self._store.create_snapshot, source, request.snapshot_id)
         return snapshot_to(info)
 
     async def GetSnapshot(
@@ -358,7 +355,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
             source = resource_id(request.source_volume, "volumes", "source_volume")
         snaps = [
             s
-            for s in await asyncio.to_thread(self._store.list_snapshots)
+            for s in await in_thread(self._store.list_snapshots)
             if principal.can_see(s.tenant) and (not source or s.source_volume == source)
         ]
         page, token = paging.page(
@@ -377,5 +374,5 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         ident = snapshot_id(request.name)
         async with self._changes:
             await self._owned_snapshot(ident)
-            await asyncio.to_thread(self._store.delete_snapshot, ident)
+            await in_thread(self._store.delete_snapshot, ident)
         return storage_pb2.DeleteSnapshotResponse()

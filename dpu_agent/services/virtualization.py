@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument, NotFound, PermissionDenied
+from dpu_agent.offload import in_thread
 from dpu_agent.services.convert import resource_id, timestamp
 from dpu_agent.virtualization.model import (
     DEFAULT_MTU,
@@ -173,12 +173,12 @@ class VirtualizationService(virtualization_pb2_grpc.VirtualizationServiceService
             _check_isolation(chosen)
             spec = dataclasses.replace(spec, spoof_check=True)  # sends only from its own MAC
         if spec.type.is_block and self._volumes is not None:
-            info = await asyncio.to_thread(self._volumes.get, spec.volume_id)
+            info = await in_thread(self._volumes.get, spec.volume_id)
             auth.check_owner(info.tenant, f"volume {spec.volume_id!r}")  # the store's text
-        existing = await asyncio.to_thread(self._existing, spec)
+        existing = await in_thread(self._existing, spec)
         if existing is not None:
             return function_to(existing)
-        return function_to(await asyncio.to_thread(self._manager.create, spec))
+        return function_to(await in_thread(self._manager.create, spec))
 
     def _existing(self, spec: FunctionSpec) -> FunctionRecord | None:
         try:
@@ -194,7 +194,7 @@ class VirtualizationService(virtualization_pb2_grpc.VirtualizationServiceService
     ) -> virtualization_pb2.Function:
         """One function."""
         (function_id,) = names.parse_name(request.name, "functions")
-        return function_to(await asyncio.to_thread(self._visible, function_id))
+        return function_to(await in_thread(self._visible, function_id))
 
     async def ListFunctions(
         self,
@@ -202,9 +202,7 @@ class VirtualizationService(virtualization_pb2_grpc.VirtualizationServiceService
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> virtualization_pb2.ListFunctionsResponse:
         """Functions by id, a page at a time."""
-        records = [
-            r for r in await asyncio.to_thread(self._manager.list) if auth.can_see(r.spec.tenant)
-        ]
+        records = [r for r in await in_thread(self._manager.list) if auth.can_see(r.spec.tenant)]
         page, token = paging.page(
             records, lambda r: r.spec.function_id, request.page_size, request.page_token
         )
@@ -219,12 +217,12 @@ class VirtualizationService(virtualization_pb2_grpc.VirtualizationServiceService
     ) -> virtualization_pb2.Function:
         """Change the fields named in the mask (mac, mtu, vlan, rate limit, trust, spoof check)."""
         (function_id,) = names.parse_name(request.function.name, "functions")
-        record = await asyncio.to_thread(self._visible, function_id)
+        record = await in_thread(self._visible, function_id)
         changes = changes_from(
             request.function, list(request.update_mask.paths), block=record.spec.type.is_block
         )
         _check_isolation(set(changes))
-        return function_to(await asyncio.to_thread(self._manager.update, function_id, changes))
+        return function_to(await in_thread(self._manager.update, function_id, changes))
 
     async def DeleteFunction(
         self,
@@ -233,6 +231,6 @@ class VirtualizationService(virtualization_pb2_grpc.VirtualizationServiceService
     ) -> virtualization_pb2.DeleteFunctionResponse:
         """Remove a function (FAILED_PRECONDITION while a flow rule or a mount uses it)."""
         (function_id,) = names.parse_name(request.name, "functions")
-        await asyncio.to_thread(self._visible, function_id)
-        await asyncio.to_thread(self._manager.delete, function_id)
+        await in_thread(self._visible, function_id)
+        await in_thread(self._manager.delete, function_id)
         return virtualization_pb2.DeleteFunctionResponse()

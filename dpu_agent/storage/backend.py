@@ -5,8 +5,8 @@ volumes, byte offsets and lengths, nothing about files: an SPDK JSON-RPC backend
 (bdev_* calls, with SPDK's own crypto/compress bdevs) can implement it later without
 the service changing.
 
-The API is synchronous and thread-safe; the gRPC service calls it through
-`asyncio.to_thread`. Every method raises domain errors only (`dpu_agent.errors`,
+The API is synchronous and thread-safe; the gRPC service calls it in a thread
+(`dpu_agent.offload.in_thread`). Every method raises domain errors only (`dpu_agent.errors`,
 `dpu_agent.storage.errors.DataCorruption`):
 
 - InvalidArgument: a bad id, size, block size, key, QoS limit, or an I/O range that

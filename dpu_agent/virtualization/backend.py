@@ -1,6 +1,7 @@
 """The small interface a function backend implements.
 
-Synchronous and thread-safe; the manager calls it through `asyncio.to_thread`. Every
+Synchronous and thread-safe; the service calls the manager, and so the backend, in a
+thread (`dpu_agent.offload.in_thread`). Every
 method raises domain errors only (`dpu_agent.errors`). `create` is all or nothing:
 when any step fails, the steps before it are undone before the error is raised, so
 nothing half-made remains in the kernel or the hardware.
