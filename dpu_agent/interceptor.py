@@ -31,7 +31,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from dpu_agent import auth, errors, request_context
-from dpu_agent.replies import Replies, request_id_of
+from dpu_agent.replies import Replies, request_digest, request_id_of
 from dpu_agent.status import status_for
 from dpu_agent.stream_slots import StreamSlots
 from dpu_agent.validation import MAX_REQUEST_BYTES, validate_request
@@ -177,7 +177,13 @@ def _wrap_unary(
             _check(request)
             key = request_id_of(method, request)
             if key:
-                return await replies.call(rpc.tenant, method, key, lambda: inner(request, context))
+                return await replies.call(
+                    rpc.tenant,
+                    method,
+                    key,
+                    lambda: inner(request, context),
+                    request_digest(request),
+                )
             return await inner(request, context)
 
     return behavior

@@ -10,7 +10,11 @@ by the interceptor, before its service runs:
   that reply again without the service acting a second time;
 - a retry that arrives while the first call still runs waits for it and gets its answer,
   an error included;
-- a call that failed keeps nothing: it changed nothing, so its retry acts.
+- a call that failed keeps nothing: it changed nothing, so its retry acts;
+- a request_id is one request's: a call with the key of a kept (or running) call whose
+  request differs (`request_digest`, over its whole message) is refused
+  INVALID_ARGUMENT and changes nothing, rather than answered with the other request's
+  reply as if it had been done (AIP-155).
 
 What another tenant sends never touches a tenant's replies: each tenant has its own
 book of at most `MAX_PER_TENANT` replies and `MAX_BYTES_PER_TENANT` bytes of them, the
@@ -24,10 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from google.protobuf.message import Message
+
+from dpu_agent.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -36,6 +43,7 @@ MAX_PER_TENANT: Final = 1024
 MAX_BYTES_PER_TENANT: Final = 1 << 20
 MAX_BYTES: Final = 32 << 20
 TTL_S: Final = 300.0
+Digest: TypeAlias = bytes  # `request_digest`'s (a name: Replies has a `bytes` property)
 OWN_RECORD: Final = frozenset(
     {"/dpu.v1.SessionService/OpenSession", "/dpu.v1.JobService/SubmitJob"}
 )
@@ -46,11 +54,12 @@ class _Again(Exception):
 
 
 class _Entry:
-    __slots__ = ("expires", "future", "size")
+    __slots__ = ("digest", "expires", "future", "size")
 
-    def __init__(self, future: asyncio.Future[Any], expires: float) -> None:
+    def __init__(self, future: asyncio.Future[Any], expires: float, digest: bytes) -> None:
         self.future = future
         self.expires = expires
+        self.digest = digest  # of the request that made it
         self.size = 0  # the reply's bytes, once there is one
 
 
@@ -85,6 +94,14 @@ def request_id_of(method: str, request: object) -> str:
         return ""
     key: str = getattr(request, "request_id", "")
     return key
+
+
+def request_digest(request: object) -> bytes:
+    """What tells two requests apart: a hash of the whole message (b"" for a non-message)."""
+    if not isinstance(request, Message):
+        return b""
+    data = request.SerializeToString(deterministic=True)
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 class Replies:
@@ -129,9 +146,18 @@ class Replies:
         self._drop_if_empty(tenant, book)
 
     async def call(
-        self, tenant: str, method: str, request_id: str, run: Callable[[], Awaitable[Any]]
+        self,
+        tenant: str,
+        method: str,
+        request_id: str,
+        run: Callable[[], Awaitable[Any]],
+        digest: Digest = b"",
     ) -> Any:  # noqa: ANN401 - the method's reply
-        """`run()`'s reply, or the reply the first call with this key got."""
+        """`run()`'s reply, or the reply the first call with this key got.
+
+        `digest` (`request_digest`) tells this call's request from the first one's: a
+        different one is refused InvalidArgument.
+        """
         key = (method, request_id)
         while True:
             book = self._book(tenant)
@@ -141,12 +167,19 @@ class Replies:
             if entry.expires <= self._clock() and entry.future.done():
                 book.drop(key, entry)
                 break
+            if entry.digest != digest:
+                self._drop_if_empty(tenant, book)
+                name = method.rsplit("/", 1)[-1]
+                raise InvalidArgument(
+                    f"request_id {request_id!r} was used for another {name} request: "
+                    "give each distinct request its own"
+                )
             try:
                 return await asyncio.shield(entry.future)
             except _Again:
                 continue
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        entry = book.entries[key] = _Entry(future, self._clock() + TTL_S)
+        entry = book.entries[key] = _Entry(future, self._clock() + TTL_S, digest)
         try:
             reply = await run()
         except BaseException as exc:

@@ -18,10 +18,13 @@ Conventions (Google API style, https://google.aip.dev):
 - Every mutating call carries request_id, an idempotency key (a UUID is
   recommended) of at most 128 characters (a longer one is INVALID_ARGUMENT): a
   retry with the same request_id returns the first result instead of acting
-  twice. The agent keeps a tenant's successful replies for 5 minutes (at most
+  twice. A key belongs to one tenant and one method, and to one request: the
+  same key with a different request (any field) is INVALID_ARGUMENT and changes
+  nothing. The agent keeps a tenant's successful replies for 5 minutes (at most
   1,024 and 1 MiB of them per tenant, the oldest forgotten first); a call that
   failed changed nothing, and its retry acts. OpenSession and SubmitJob keep
-  theirs as long as the session or the job they made.
+  theirs as long as the session or the job they made (SubmitJob's key is the
+  session's; their retries are matched by key alone, docs/data-plane.md).
 """
 
 from collections import abc as _abc

@@ -171,3 +171,23 @@ async def test_client_is_reusable_but_not_reentrant(agent):
         assert (await client.agent_info()).api_version == "dpu.v1"
     with pytest.raises(RuntimeError, match="not open"):
         _ = client.stubs
+
+
+async def test_a_request_id_reused_for_another_request_is_refused(agent):
+    """Before, CreateVolume("ib") with the request_id of an earlier CreateVolume("ia")
+    answered OK with volumes/ia, and ib was never made."""
+    async with host_client.Client(agent.address) as client:
+        stub = client.stubs.storage
+
+        def create(volume_id: str) -> storage_pb2.CreateVolumeRequest:
+            volume = storage_pb2.Volume(size_bytes=1 << 20)
+            return storage_pb2.CreateVolumeRequest(
+                volume_id=volume_id, volume=volume, request_id="rid-reused"
+            )
+
+        first = await client._call(stub.CreateVolume, create("ia"))
+        assert first.name == "volumes/ia"
+        with pytest.raises(host_client.InvalidArgumentError, match="another CreateVolume"):
+            await client._call(stub.CreateVolume, create("ib"))
+        assert (await client._call(stub.CreateVolume, create("ia"))).name == "volumes/ia"
+        assert [v.name for v in await client.list_volumes()] == ["volumes/ia"]

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from dpu_agent import replies
-from dpu_agent.errors import NotFound
+from dpu_agent.errors import InvalidArgument, NotFound
 from dpu_agent.replies import Replies, request_id_of
 from dpu_wire.v1 import job_pb2, session_pb2, storage_pb2
 
@@ -143,3 +143,35 @@ async def test_the_replies_kept_are_bounded_in_bytes(monkeypatch):
     assert book.bytes <= 25_000
     assert book.bytes == len(book) * size
     assert len(book) == 2 * (10_000 // size)  # a's, the least recently used, went first
+
+
+@pytest.mark.asyncio
+async def test_a_request_id_reused_for_another_request_is_refused_and_changes_nothing():
+    """AIP-155: the key is one request's. Before, a CancelJob of job B with the key of an
+    earlier CancelJob of job A was answered with A's reply, and B was never cancelled."""
+    book, calls = Replies(), Calls()
+    first = replies.request_digest(
+        storage_pb2.DeleteVolumeRequest(name="volumes/a", request_id="r")
+    )
+    other = replies.request_digest(
+        storage_pb2.DeleteVolumeRequest(name="volumes/b", request_id="r")
+    )
+    assert first != other
+    assert await book.call("a", DELETE, "r", calls.act, first) == "reply 1"
+    with pytest.raises(InvalidArgument, match="'r' was used for another DeleteVolume request"):
+        await book.call("a", DELETE, "r", calls.act, other)
+    assert calls.acted == 1
+    assert await book.call("a", DELETE, "r", calls.act, first) == "reply 1"  # its retry still
+    assert await book.call("b", DELETE, "r", calls.act, other) == "reply 2"  # another tenant's
+
+
+@pytest.mark.asyncio
+async def test_a_different_request_is_refused_while_the_first_still_runs():
+    book, calls = Replies(), Calls()
+    running = asyncio.create_task(book.call("a", DELETE, "r", calls.slow, b"first"))
+    await asyncio.sleep(0)
+    with pytest.raises(InvalidArgument):  # at once, not after the first call's answer
+        await asyncio.wait_for(book.call("a", DELETE, "r", calls.act, b"second"), 5)
+    calls.gate.set()
+    assert await running == "reply 1"
+    assert calls.acted == 1
