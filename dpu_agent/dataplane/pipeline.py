@@ -173,11 +173,17 @@ class _Waiter:
     request nobody waits for any more is dropped, never run.
     """
 
-    __slots__ = ("answers", "job")
+    __slots__ = ("answers", "asked", "job")
 
-    def __init__(self, job: JobRecord, answer: Callable[[JobRecord | BaseException], None]) -> None:
+    def __init__(
+        self,
+        job: JobRecord,
+        answer: Callable[[JobRecord | BaseException], None],
+        asked: JobRequest,
+    ) -> None:
         self.job = job
         self.answers = [answer]
+        self.asked = asked  # the request as asked (`_asked`): a retry must ask the same
 
     def answer(self, result: JobRecord | BaseException) -> None:
         for answer in self.answers:
@@ -244,7 +250,8 @@ class Pipeline(LinkSink):
         self._retained_max = retained
         self.open: dict[int, JobRecord] = {}
         self.retained: collections.OrderedDict[int, JobRecord] = collections.OrderedDict()
-        self.by_request: dict[str, int] = {}
+        # SubmitJob's request_id: (its job, the request as asked, `_asked`)
+        self.by_request: dict[str, tuple[int, JobRequest]] = {}
         self._runs: dict[int, _Run] = {}  # by token
         self._run_of: dict[int, _Run] = {}  # by job id
         # by job id: writes waiting for their QoS, and the tokens they took
@@ -549,12 +556,17 @@ class Pipeline(LinkSink):
         Idempotent on `request_id`. Without a free slot the request waits for one when
         `wait_for_slot`, else fails with ResourceExhausted.
         """
+        asked = _asked(request)
         try:
             if request_id and request_id in self.by_request:
-                answer(self.job(self.by_request[request_id]))
+                job_id, first = self.by_request[request_id]
+                _same_request(request_id, first, asked)
+                answer(self.job(job_id))
                 return
             if request_id and request_id in self._waiting_by_request:
-                self._waiting_by_request[request_id].answers.append(answer)  # a retry
+                waiter = self._waiting_by_request[request_id]
+                _same_request(request_id, waiter.asked, asked)
+                waiter.answers.append(answer)  # a retry
                 return
             job = admit(
                 self, request, Origin.GRPC, request_id=request_id, rpc_request_id=rpc_request_id
@@ -563,7 +575,7 @@ class Pipeline(LinkSink):
             answer(exc)
             return
         if len(self.open) < self.queue_depth:
-            self._admit_rpc(job, answer)
+            self._admit_rpc(job, answer, asked)
         elif not wait_for_slot:
             answer(
                 ResourceExhausted(
@@ -573,7 +585,7 @@ class Pipeline(LinkSink):
         elif len(self._waiting) >= MAX_WAITING:
             answer(ResourceExhausted(f"{MAX_WAITING} SubmitJob requests already wait for a slot"))
         else:
-            waiter = _Waiter(job, answer)
+            waiter = _Waiter(job, answer, asked)
             self._waiting.append(waiter)
             if request_id:
                 self._waiting_by_request[request_id] = waiter
@@ -598,7 +610,10 @@ class Pipeline(LinkSink):
             del self._waiting_by_request[key]
 
     def _admit_rpc(
-        self, job: JobRecord, answer: Callable[[JobRecord | BaseException], None]
+        self,
+        job: JobRecord,
+        answer: Callable[[JobRecord | BaseException], None],
+        asked: JobRequest,
     ) -> None:
         try:
             self._hooks.check_accepting()
@@ -606,7 +621,7 @@ class Pipeline(LinkSink):
             answer(exc)
             return
         if job.request_id:
-            self.by_request[job.request_id] = job.job_id
+            self.by_request[job.request_id] = (job.job_id, asked)
         self._start(job)
         answer(job)
 
@@ -1029,7 +1044,7 @@ class Pipeline(LinkSink):
         retained[job.job_id] = job
         while len(retained) > self._retained_max:
             old_id, old = retained.popitem(last=False)
-            if old.request_id and self.by_request.get(old.request_id) == old_id:
+            if old.request_id and self.by_request.get(old.request_id, (0,))[0] == old_id:
                 del self.by_request[old.request_id]
 
     def _send(self, message: bytes, token: int | None) -> None:
@@ -1066,7 +1081,7 @@ class Pipeline(LinkSink):
         while self._waiting and len(self.open) < self.queue_depth:
             waiter = self._waiting.popleft()
             self._forget_waiter(waiter)
-            self._admit_rpc(waiter.job, waiter.answer)
+            self._admit_rpc(waiter.job, waiter.answer, waiter.asked)
 
     # ------------------------------------------------------------ cancel, deadlines
 
@@ -1135,7 +1150,7 @@ class Pipeline(LinkSink):
         waiting, self._waiting = self._waiting, collections.deque()
         self._waiting_by_request.clear()
         for waiter in waiting:
-            self._admit_rpc(waiter.job, waiter.answer)  # the session's check refuses it
+            self._admit_rpc(waiter.job, waiter.answer, waiter.asked)  # the check refuses it
 
     def close(self, state: State, code: int, reason: str, done: Callable[[], None]) -> None:
         """End every open job (`state`), send their COMPLETIONs, then tear the link down."""
@@ -1181,3 +1196,17 @@ def _read_inline(inline: bytes, op: Read) -> BaseException | None:
     at = op.buffer.offset + op.offset
     op.buffer.region.view[at : at + n] = chunk
     return None
+
+
+def _asked(request: JobRequest) -> JobRequest:
+    """A SubmitJob request as its caller asked it: without the id the agent gives its job."""
+    return request._replace(job_id=0)
+
+
+def _same_request(request_id: str, first: JobRequest, again: JobRequest) -> None:
+    """InvalidArgument unless a SubmitJob retry asks what the first call with its key did."""
+    if first != again:
+        raise InvalidArgument(
+            f"request_id {request_id!r} was used for another SubmitJob request on this "
+            "session: give each distinct request its own"
+        )

@@ -24,7 +24,8 @@ Conventions (Google API style, https://google.aip.dev):
   1,024 and 1 MiB of them per tenant, the oldest forgotten first); a call that
   failed changed nothing, and its retry acts. OpenSession and SubmitJob keep
   theirs as long as the session or the job they made (SubmitJob's key is the
-  session's; their retries are matched by key alone, docs/data-plane.md).
+  session's; OpenSession's retries are matched by key alone, docs/data-plane.md
+  DP-1.1-4).
 """
 
 from collections import abc as _abc

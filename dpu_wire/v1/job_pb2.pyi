@@ -602,7 +602,8 @@ class SubmitJobRequest(_message.Message):
     wait_for_slot: _builtins.bool
     """Wait for a queue slot instead of answering RESOURCE_EXHAUSTED. A request whose
     caller goes away while it waits (the call cancelled, or past its deadline) is
-    dropped, never run; a retry with the same request_id joins the waiting request.
+    dropped, never run; a retry with the same request_id joins the waiting request
+    (the same request_id with another spec is INVALID_ARGUMENT).
     """
     @_builtins.property
     def spec(self) -> Global___JobSpec: ...

@@ -84,6 +84,11 @@ async def test_a_submit_whose_caller_left_while_it_waited_for_a_slot_never_runs(
             asyncio.create_task(client._call(client.stubs.jobs.SubmitJob, joined)) for _ in range(2)
         ]
         await asyncio.sleep(0.3)
+        other = job_pb2.SubmitJobRequest()
+        other.CopyFrom(joined)
+        other.spec.crc32c.source.CopyFrom(src[4096:8192].region_ref())
+        with pytest.raises(host_client.InvalidArgumentError, match="another SubmitJob"):
+            await client._call(client.stubs.jobs.SubmitJob, other)  # the key, not the request
         await session.cancel(blocker)  # the slot frees
         first, retry = await asyncio.gather(*calls)
         assert first.name == retry.name  # one job for both callers
@@ -152,6 +157,15 @@ async def test_rpc_submit_is_idempotent_on_request_id(agent):
         first = await client._call(client.stubs.jobs.SubmitJob, request)
         again = await client._call(client.stubs.jobs.SubmitJob, request)
         assert first.job_id == again.job_id
+        # The same key for another request is refused, not answered with the first job
+        other = await session.alloc(8192, readable=True)
+        request.spec.crc32c.source.CopyFrom(other.ref().region_ref())
+        with pytest.raises(host_client.InvalidArgumentError, match="another SubmitJob"):
+            await client._call(client.stubs.jobs.SubmitJob, request)
+        jobs = await client._call(
+            client.stubs.jobs.ListJobs, job_pb2.ListJobsRequest(session=session.name)
+        )
+        assert [job.job_id for job in jobs.jobs] == [first.job_id]
 
 
 @pytest.mark.parametrize(
