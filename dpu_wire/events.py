@@ -49,10 +49,16 @@ reconnection, never a loss while the agent's backlog holds)::
      "bytes_written": 4096,
      "crc32c": 3817498742,                # only for a CRC32C job that SUCCEEDED
      "submit_time": "...", "start_time": "..." or null, "end_time": "...",
-     "request_id": "4f1c..."}             # x-request-id of the RPC that made the job:
+     "request_id": "4f1c...",             # x-request-id of the RPC that made the job:
                                           # its SubmitJob, or for a capsule job its
                                           # session's OpenSession ("" when none); the
                                           # agent's log lines of that RPC carry it too
+     "job_id_string": "7",                # job_id in decimal (lossless without
+                                          # 64-bit integer JSON parsing)
+     "submit_request_id": ""}             # SubmitJob's request_id field (idempotency
+                                          # key; GetJob's request_id); "" for capsules
+    # and, for a SHA256 job that SUCCEEDED, "sha256": the digest in lowercase hex,
+    # after "bytes_written" (where "crc32c" is for a CRC32C job)
 
 Telemetry::
 
@@ -140,6 +146,14 @@ class FinishedJob(Protocol):
     @property
     def rpc_request_id(self) -> str:
         """The x-request-id of the RPC that made it."""
+
+    @property
+    def request_id(self) -> str:
+        """SubmitJob's `request_id` field, its idempotency key ("" for capsule jobs)."""
+
+    @property
+    def digest(self) -> bytes:
+        """SHA256: the 32-byte digest (b"" for other kinds, or before it is known)."""
 
 
 class TopicError(ValueError):
@@ -284,12 +298,18 @@ def completion_document(session_id: str, job: FinishedJob) -> dict[str, object]:
         "bytes_read": job.bytes_read,
         "bytes_written": job.bytes_written,
     }
-    if KINDS[JobKind(job.kind)].result is Result.CRC32C and job.state == State.SUCCEEDED:
-        document["crc32c"] = job.result & 0xFFFF_FFFF
+    if job.state == State.SUCCEEDED:
+        if KINDS[JobKind(job.kind)].result is Result.CRC32C:
+            document["crc32c"] = job.result & 0xFFFF_FFFF
+        elif job.kind == JobKind.SHA256 and job.digest:
+            document["sha256"] = job.digest.hex()
     document["submit_time"] = rfc3339(job.submit_ns)
     document["start_time"] = rfc3339(job.start_ns)
     document["end_time"] = rfc3339(job.end_ns)
     document["request_id"] = job.rpc_request_id
+    # Added in v1 after the fields above, so they keep their order.
+    document["job_id_string"] = str(job.job_id)
+    document["submit_request_id"] = job.request_id
     return document
 
 
