@@ -1,7 +1,7 @@
 """Agent events from the MQTT broker: job completions, agent status, telemetry.
 
-The agent publishes to a broker (`dpu_wire.events` has the topics and JSON, the
-code building them); an `EventSubscriber` connects to the same
+The agent publishes to a broker (docs/events.md has the topics and JSON; the
+code building them is `dpu_wire.events`); an `EventSubscriber` connects to the same
 broker and parses what arrives:
 
     async with EventSubscriber("broker.lab", 1883) as events:
