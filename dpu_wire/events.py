@@ -5,60 +5,18 @@ Shared by both sides and doing no I/O: the agent's publisher
 (`host_client._events`) builds its subscription filters here and parses the same
 format; a unit test round-trips one through the other.
 
-Topics (``{prefix}`` is `MqttSettings.topic_prefix`, ``dpu/v1`` by default; every other
-level is one topic level, never empty and never containing ``/``, ``+``, ``#`` or NUL):
+The contract (every topic, QoS, retain flag, when each message is sent, every payload
+field) is docs/events.md; tests/unit/events/test_events_doc.py fails when a payload
+gains a field that page does not list. In short (``{prefix}`` is
+`MqttSettings.topic_prefix`, ``dpu/v1`` by default):
 
-    {prefix}/agents/{agent}/status
-        QoS 1, retained. "online" when the agent connects; "offline" on a clean stop,
-        and as the MQTT will when the connection is lost without one (crash, cut link).
+    {prefix}/agents/{agent}/status          QoS 1, retained; also the MQTT will
+    {prefix}/agents/{agent}/telemetry       QoS 0, every telemetry interval
     {prefix}/agents/{agent}/tenants/{tenant}/sessions/{session}/jobs/{job_id}/completion
-        QoS 1, not retained. One per finished job.
-    {prefix}/agents/{agent}/telemetry
-        QoS 0, not retained. Every telemetry interval while connected.
+                                            QoS 1, one per finished job
 
-``{agent}`` is the agent id (``dpu-0``), ``{session}`` the session id (``s-1a2b3c``, the
-last part of the resource name ``sessions/s-1a2b3c``), ``{job_id}`` the job id in decimal.
-Subscribe to ``{prefix}/agents/+/tenants/+/sessions/+/jobs/+/completion`` for every
-completion of every agent.
-
-Payloads are UTF-8 JSON objects, keys in the order shown. Integers are JSON numbers
-(job ids reach 2**64 - 1: JavaScript consumers need a big-integer parser, or the
-``job`` name). Times are RFC 3339 in UTC with nine fractional digits
-(``2025-01-31T12:00:00.123456789Z``), or ``null`` when unset. Consumers must ignore
-keys they do not know; a key is never removed or retyped within ``v1``.
-
-Status (retained; the broker's copy is the agent's last known state)::
-
-    {"state": "online", "agent": "dpu-0", "version": "0.1.0",
-     "started": "2025-01-31T12:00:00.000000000Z"}
-    {"state": "offline", "agent": "dpu-0", "version": "0.1.0",
-     "started": "...", "reason": "shutdown"}            # clean stop
-    {"state": "offline", "agent": "dpu-0", "version": "0.1.0",
-     "started": "...", "reason": "connection lost"}     # the MQTT will: crash, cut link
-
-Completion (one per finished job; QoS 1, so a subscriber may see a duplicate after a
-reconnection, never a loss while the agent's backlog holds)::
-
-    {"job": "sessions/s-1a2b3c/jobs/7",   # the job's resource name
-     "job_id": 7,
-     "kind": "COPY",                      # the job kind (dpu_wire.jobkinds.JobKind name)
-     "origin": "capsule",                 # capsule (data plane) or grpc (SubmitJob)
-     "state": "SUCCEEDED",                # SUCCEEDED, FAILED, CANCELLED
-     "status": {"code": 0, "message": ""},  # gRPC status code number and why
-     "bytes_read": 4096,
-     "bytes_written": 4096,
-     "crc32c": 3817498742,                # only for a CRC32C job that SUCCEEDED
-     "submit_time": "...", "start_time": "..." or null, "end_time": "...",
-     "request_id": "4f1c..."}             # x-request-id of the RPC that made the job:
-                                          # its SubmitJob, or for a capsule job its
-                                          # session's OpenSession ("" when none); the
-                                          # agent's log lines of that RPC carry it too
-
-Telemetry::
-
-    {"agent": "dpu-0", "time": "...", "uptime_s": 12.5,
-     "stats": {...},     # what the agent's telemetry source returned (`session_stats`)
-     "events": {...}}    # the publisher's counters (`MqttEventPublisher.stats`)
+Payloads are UTF-8 JSON objects. Consumers must ignore keys they do not know; a key
+is never removed or retyped within ``v1``.
 """
 
 from __future__ import annotations
@@ -140,6 +98,14 @@ class FinishedJob(Protocol):
     @property
     def rpc_request_id(self) -> str:
         """The x-request-id of the RPC that made it."""
+
+    @property
+    def request_id(self) -> str:
+        """SubmitJob's `request_id` field, its idempotency key ("" for capsule jobs)."""
+
+    @property
+    def digest(self) -> bytes:
+        """SHA256: the 32-byte digest (b"" for other kinds, or before it is known)."""
 
 
 class TopicError(ValueError):
@@ -271,7 +237,7 @@ def status_payload(
 
 
 def completion_document(session_id: str, job: FinishedJob) -> dict[str, object]:
-    """The completion object of a finished job (see the module docstring)."""
+    """The completion object of a finished job (docs/events.md, "Completion")."""
     if job.state not in (State.SUCCEEDED, State.FAILED, State.CANCELLED):
         raise ValueError(f"job {job.job_id} has not finished")
     document: dict[str, object] = {
@@ -284,12 +250,18 @@ def completion_document(session_id: str, job: FinishedJob) -> dict[str, object]:
         "bytes_read": job.bytes_read,
         "bytes_written": job.bytes_written,
     }
-    if KINDS[JobKind(job.kind)].result is Result.CRC32C and job.state == State.SUCCEEDED:
-        document["crc32c"] = job.result & 0xFFFF_FFFF
+    if job.state == State.SUCCEEDED:
+        if KINDS[JobKind(job.kind)].result is Result.CRC32C:
+            document["crc32c"] = job.result & 0xFFFF_FFFF
+        elif job.kind == JobKind.SHA256 and job.digest:
+            document["sha256"] = job.digest.hex()
     document["submit_time"] = rfc3339(job.submit_ns)
     document["start_time"] = rfc3339(job.start_ns)
     document["end_time"] = rfc3339(job.end_ns)
     document["request_id"] = job.rpc_request_id
+    # Added in v1 after the fields above, so they keep their order.
+    document["job_id_string"] = str(job.job_id)
+    document["submit_request_id"] = job.request_id
     return document
 
 

@@ -79,6 +79,8 @@ async def run(_client: Client, args: argparse.Namespace) -> int:
                 }
                 if c.crc32c is not None:
                     line["crc32c"] = c.crc32c
+                if c.sha256 is not None:
+                    line["sha256"] = c.sha256.hex()
                 print(json.dumps(line), flush=True)
                 seen += 1
                 if args.count is not None and seen >= args.count:

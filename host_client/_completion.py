@@ -29,8 +29,9 @@ class Completion:
         bytes_read: bytes the agent read from host memory.
         bytes_written: bytes the agent wrote into host memory.
         crc32c: the checksum, for crc32c jobs that succeeded.
-        sha256: the digest, for sha256 jobs submitted through SubmitJob (capsule jobs
-            find it in their destination buffer).
+        sha256: the digest, for sha256 jobs that succeeded: from SubmitJob, GetJob and
+            MQTT completion events (a capsule job's COMPLETION capsule has no room for
+            it: such jobs find it in their destination buffer).
         submit_ns, start_ns, end_ns: the agent's clock (ns since the epoch).
     """
 

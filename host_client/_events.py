@@ -1,7 +1,8 @@
 """Agent events from the MQTT broker: job completions, agent status, telemetry.
 
-The agent publishes to a broker (see `dpu_wire.events` for the topics and
-JSON); an `EventSubscriber` connects to the same broker and parses what arrives:
+The agent publishes to a broker (docs/events.md has the topics and JSON; the
+code building them is `dpu_wire.events`); an `EventSubscriber` connects to the same
+broker and parses what arrives:
 
     async with EventSubscriber("broker.lab", 1883) as events:
         print(await events.agent_status("dpu-0"))            # retained: online/offline
@@ -78,11 +79,17 @@ class CompletionEvent:
         tenant: the session's tenant.
         session_id: the session's id (its name is "sessions/{session_id}").
         job: the job's resource name, "sessions/{session_id}/jobs/{job_id}".
-        kind: "COPY" or "CRC32C".
+        kind: the job kind's name ("COPY", "CRC32C", "SHA256", ...).
         origin: "capsule" (data plane) or "grpc" (SubmitJob).
         request_id: the x-request-id of the call that made the job: its SubmitJob,
-            or for a capsule job its session's OpenSession ("" when none).
-        completion: the outcome, as `Session` jobs return it.
+            or for a capsule job its session's OpenSession (the agent makes one up
+            when the call had none). Not GetJob's `request_id`: that is
+            `submit_request_id`.
+        completion: the outcome, as `Session` jobs return it (`sha256` included, for
+            an SHA256 job that succeeded).
+        submit_request_id: the SubmitJob request's `request_id` field (its
+            idempotency key, what GetJob returns as `request_id`); "" for capsule
+            jobs, SubmitJob calls without one, and agents older than the field.
     """
 
     agent_id: str
@@ -93,6 +100,7 @@ class CompletionEvent:
     origin: str
     request_id: str
     completion: Completion
+    submit_request_id: str = ""
 
     @property
     def job_id(self) -> int:
@@ -194,6 +202,7 @@ def parse_completion(topic: str, payload: bytes, prefix: str = DEFAULT_PREFIX) -
     status = d["status"]
     code = int(status["code"])
     crc = d.get("crc32c")
+    digest = d.get("sha256")
     completion = Completion(
         job_id=int(d["job_id"]),
         state=str(d["state"]),
@@ -202,6 +211,7 @@ def parse_completion(topic: str, payload: bytes, prefix: str = DEFAULT_PREFIX) -
         bytes_read=int(d.get("bytes_read", 0)),
         bytes_written=int(d.get("bytes_written", 0)),
         crc32c=None if crc is None else int(crc),
+        sha256=None if digest is None else bytes.fromhex(digest),
         submit_ns=parse_time(d.get("submit_time")),
         start_ns=parse_time(d.get("start_time")),
         end_ns=parse_time(d.get("end_time")),
@@ -215,6 +225,7 @@ def parse_completion(topic: str, payload: bytes, prefix: str = DEFAULT_PREFIX) -
         origin=str(d.get("origin", "")),
         request_id=str(d.get("request_id", "")),
         completion=completion,
+        submit_request_id=str(d.get("submit_request_id", "")),
     )
 
 

@@ -1,5 +1,6 @@
 """The event plane's wire format: topics, payloads, and the SDK parsing them back."""
 
+import hashlib
 import json
 import types
 from typing import Any, cast
@@ -192,6 +193,89 @@ def test_completion_payload(job, expected):
     assert ("crc32c" in document) == ("crc32c" in expected)
     for key, value in expected.items():
         assert document[key] == value, key
+
+
+def sha256_job(state=State.SUCCEEDED):
+    job = JobRecord(
+        2**63 + 3,
+        JobKind.SHA256,
+        Span(0x1000, 4096, 1),
+        Span(0x2000, 32, 2),
+        Origin.GRPC,
+        0.0,
+        request_id="order-42-sha",
+        rpc_request_id="call-9",
+        submit_ns=T0,
+    )
+    job.start()
+    if state == State.SUCCEEDED:
+        job.digest = hashlib.sha256(b"x" * 4096).digest()
+        job.bytes_read, job.bytes_written, job.result = 4096, 32, 32
+    assert job.finish(state, 0 if state == State.SUCCEEDED else 14, "")
+    return job
+
+
+def test_sha256_completion_carries_the_digest_in_hex():
+    job = sha256_job()
+    document = json.loads(payloads.completion_payload("s-1", job))
+    assert document["sha256"] == hashlib.sha256(b"x" * 4096).hexdigest()
+    assert bytes.fromhex(document["sha256"]) == job.digest
+    assert "crc32c" not in document
+    topic = payloads.completion_topic("dpu/v1", "dpu-0", "default", "s-1", job.job_id)
+    event = _events.parse_completion(topic, payloads.completion_payload("s-1", job))
+    assert event.completion.sha256 == job.digest
+    assert event.completion.crc32c is None
+
+
+@pytest.mark.parametrize(
+    "job",
+    [
+        sha256_job(State.FAILED),
+        finished_job(kind=JobKind.CRC32C, result=5),
+        finished_job(),
+    ],
+)
+def test_only_a_succeeded_sha256_job_has_a_digest(job):
+    document = json.loads(payloads.completion_payload("s-1", job))
+    assert "sha256" not in document
+    topic = payloads.completion_topic("dpu/v1", "a", "t", "s-1", job.job_id)
+    event = _events.parse_completion(topic, payloads.completion_payload("s-1", job))
+    assert event.completion.sha256 is None
+
+
+@pytest.mark.parametrize("job_id", [0, 7, 2**53 + 1, 2**63, 2**64 - 1])
+def test_job_id_string_is_the_exact_decimal_id(job_id):
+    payload = payloads.completion_payload("s-1", finished_job(job_id=job_id))
+    document = json.loads(payload)
+    assert document["job_id_string"] == str(job_id)
+    assert int(document["job_id_string"]) == document["job_id"] == job_id
+    # a parser reading numbers as doubles (JavaScript) still gets it exactly
+    lossy = json.loads(payload, parse_int=float)
+    assert lossy["job_id_string"] == str(job_id)
+    assert payloads.completion_topic("p", "a", "t", "s-1", job_id).split("/")[-2] == str(job_id)
+
+
+def test_completion_names_both_request_ids():
+    job = sha256_job()
+    document = json.loads(payloads.completion_payload("s-1", job))
+    assert document["request_id"] == "call-9"  # the SubmitJob call's x-request-id
+    assert document["submit_request_id"] == "order-42-sha"  # its idempotency key
+    topic = payloads.completion_topic("dpu/v1", "a", "t", "s-1", job.job_id)
+    event = _events.parse_completion(topic, payloads.completion_payload("s-1", job))
+    assert (event.request_id, event.submit_request_id) == ("call-9", "order-42-sha")
+    capsule = json.loads(payloads.completion_payload("s-1", finished_job(rpc_request_id="o")))
+    assert (capsule["request_id"], capsule["submit_request_id"]) == ("o", "")
+
+
+def test_sdk_reads_a_completion_without_the_added_fields():
+    """An older agent's completion (no sha256, job_id_string, submit_request_id)."""
+    job = finished_job(job_id=9)
+    document = json.loads(payloads.completion_payload("s-1", job))
+    for key in ("job_id_string", "submit_request_id"):
+        del document[key]
+    topic = payloads.completion_topic("dpu/v1", "a", "t", "s-1", 9)
+    event = _events.parse_completion(topic, json.dumps(document).encode())
+    assert (event.job_id, event.submit_request_id, event.completion.sha256) == (9, "", None)
 
 
 def test_completion_of_an_unfinished_job_is_refused():
