@@ -132,9 +132,7 @@ class JobService(job_pb2_grpc.JobServiceServicer):
         """A page of a session's open and retained jobs, by id."""
         session = owned_session(self._manager, request.session)
         jobs = [j for j in session.jobs() if not request.state or int(j.state) == request.state]
-        page, token = paging.page(
-            jobs, lambda j: f"{j.job_id:020d}", request.page_size, request.page_token
-        )
+        page, token = paging.page(jobs, lambda j: f"{j.job_id:020d}", request)
         return job_pb2.ListJobsResponse(
             jobs=[convert.job(session, j) for j in page], next_page_token=token
         )

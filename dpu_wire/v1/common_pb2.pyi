@@ -14,7 +14,11 @@ Conventions (Google API style, https://google.aip.dev):
   which tells that the id is taken and nothing else.
 - Counters and sizes are 64-bit unsigned.
 - List calls take page_size (0 = server default, capped by the server) and an
-  opaque page_token; they return next_page_token ("" on the last page).
+  opaque page_token; they return next_page_token ("" on the last page). A page
+  token continues only the call that returned it: the same method with the same
+  parent and filters (page_size may change from page to page). A token from
+  another List method, another parent or with other filters answers
+  INVALID_ARGUMENT, as does one this agent did not issue.
 - Every mutating call carries request_id, an idempotency key (a UUID is
   recommended) of at most 128 characters (a longer one is INVALID_ARGUMENT): a
   retry with the same request_id returns the first result instead of acting
