@@ -93,10 +93,15 @@ def job_request(session: Session, spec: job_pb2.JobSpec) -> JobRequest:
 
 
 def _job_id(name: str) -> tuple[str, int]:
-    session_id, job = names.parse_name(name, "sessions", "jobs")
-    if not job.isdigit():
-        raise InvalidArgument(f"{name}: job ids are numbers")
-    return f"sessions/{session_id}", int(job)
+    """The session's name and the job id of "sessions/{session}/jobs/{job}".
+
+    The job id is canonical decimal: `.../jobs/07` is refused, not taken for job 7.
+    """
+    try:
+        session_id, job = names.parse_name(name, "sessions", "jobs")
+        return f"sessions/{session_id}", names.parse_number(job, "job id")
+    except names.InvalidNameError as exc:
+        raise InvalidArgument(f"{name}: {exc}") from None
 
 
 class JobService(job_pb2_grpc.JobServiceServicer):

@@ -6,7 +6,9 @@ Types shared by every dpu.v1 service.
 
 Conventions (Google API style, https://google.aip.dev):
 - Resources are named by a relative resource name, e.g. "volumes/vol-1",
-  "sessions/s-7f3a12c4d5e6/jobs/42". IDs match [a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?.
+  "sessions/s-7f3a12c4d5e6/jobs/42". IDs match [a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?;
+  a malformed name answers INVALID_ARGUMENT. A job's id is its job_id in decimal
+  without leading zeros ("jobs/42", never "jobs/042"), so a resource has one name.
 - A resource belongs to the tenant that made it, and another tenant's answers
   NOT_FOUND exactly as a missing one does. The ids a caller chooses (volumes,
   snapshots, flow rules, functions) are one namespace per agent, as bucket names

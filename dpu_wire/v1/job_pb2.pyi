@@ -490,7 +490,9 @@ class Job(_message.Message):
     SUBMIT_TIME_FIELD_NUMBER: _builtins.int
     COMPLETION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Resource name "sessions/{session}/jobs/{job}". Output only."""
+    """Resource name "sessions/{session}/jobs/{job}", {job} being job_id in decimal
+    without leading zeros. Output only.
+    """
     job_id: _builtins.int
     """Numeric id: a capsule job's is the host's, unique among the session's open
     jobs (a reused one names the latest job); a SubmitJob job's is 2^63 and up.
@@ -628,6 +630,10 @@ class GetJobRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """"sessions/{session}/jobs/{job}". Another spelling of the number ("jobs/07",
+    "jobs/+7") answers INVALID_ARGUMENT; a well-formed name of no open or retained
+    job, NOT_FOUND.
+    """
     def __init__(
         self,
         *,
@@ -700,6 +706,7 @@ class CancelJobRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """"sessions/{session}/jobs/{job}", as in GetJobRequest."""
     request_id: _builtins.str
     def __init__(
         self,
