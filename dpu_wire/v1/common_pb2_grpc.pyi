@@ -15,8 +15,8 @@ Conventions (Google API style, https://google.aip.dev):
   are in S3: a create with an id another tenant holds answers ALREADY_EXISTS,
   which tells that the id is taken and nothing else.
 - Counters and sizes are 64-bit unsigned.
-- List calls take page_size (0 = server default, capped by the server) and an
-  opaque page_token; they return next_page_token ("" on the last page). A page
+- List calls take page_size (0 = 100 items, more than 500 taken as 500, negative
+  INVALID_ARGUMENT) and an opaque page_token; they return next_page_token ("" on the last page). A page
   token continues only the call that returned it: the same method with the same
   parent and filters (page_size may change from page to page). A token from
   another List method, another parent or with other filters answers
