@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError, Message
 
 from dpu_agent import auth, errors, request_context
 from dpu_agent.replies import Replies, request_digest, request_id_of
-from dpu_agent.status import status_for
+from dpu_agent.status import FOR_OTHER_ERRORS, status_for
 from dpu_agent.stream_slots import StreamSlots
 from dpu_agent.validation import MAX_REQUEST_BYTES, validate_request
 from dpu_wire import API_PACKAGE, REQUEST_ID_METADATA_KEY
@@ -96,7 +96,7 @@ class _Rpc:
         if isinstance(exc, errors.AgentError):
             self.code = status_for(exc)
             await self.context.abort(self.code, str(exc))
-        self.code = grpc.StatusCode.INTERNAL
+        self.code = FOR_OTHER_ERRORS
         log.error("unhandled error in %s", self.method, exc_info=exc)
         await self.context.abort(self.code, f"internal error (request id {self.rid})")
 

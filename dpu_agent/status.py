@@ -2,6 +2,9 @@
 
 `dpu_agent.interceptor` uses `status_for` to abort RPCs; the data plane uses
 `code_for` to fill the status of a completion capsule (the same numbers).
+scripts/gen_api_docs.py writes the status-code table of docs/api.md from `STATUS_FOR`,
+`OTHER_CODES` and the domain errors' docstrings (it parses these files, so keep the
+two tables literal).
 """
 
 from __future__ import annotations
@@ -28,6 +31,19 @@ STATUS_FOR: Final[dict[type[errors.AgentError], grpc.StatusCode]] = {
 }
 
 
+FOR_OTHER_ERRORS: Final = grpc.StatusCode.INTERNAL
+"""The code of any exception that is not a domain error."""
+
+# Codes the API answers that no domain error maps to, and what they mean.
+OTHER_CODES: Final[dict[grpc.StatusCode, str]] = {
+    grpc.StatusCode.INTERNAL: (
+        "Any other error: a bug in the agent. The message is only "
+        "`internal error (request id ...)`; the agent's log has the details under that "
+        "request id."
+    ),
+}
+
+
 def status_for(exc: errors.AgentError) -> grpc.StatusCode:
     """GRPC status code for a domain error (the nearest mapped base class wins)."""
     for cls in type(exc).__mro__:
@@ -41,7 +57,7 @@ def code_for(exc: BaseException) -> int:
     """The numeric status code for any error: domain errors mapped, others INTERNAL."""
     if isinstance(exc, errors.AgentError):
         return int(status_for(exc).value[0])
-    return int(grpc.StatusCode.INTERNAL.value[0])
+    return int(FOR_OTHER_ERRORS.value[0])
 
 
 OK: Final = 0

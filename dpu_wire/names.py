@@ -2,7 +2,9 @@
 
 A resource name is a sequence of `collection/id` pairs, e.g. `volumes/vol-1` or
 `sessions/s-1/regions/in`. IDs are lowercase DNS labels: letters, digits and
-hyphens, 1-63 characters, starting and ending with a letter or digit.
+hyphens, 1-63 characters, starting and ending with a letter or digit. A numeric id
+(a job's) is also in canonical decimal, so each resource has exactly one name:
+`sessions/s-1/jobs/7`, never `.../jobs/07`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ MAX_NAME_LENGTH = 256
 
 ID_PATTERN = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
 _ID_RE = re.compile(ID_PATTERN)
+_NUMBER_RE = re.compile(r"0|[1-9][0-9]*")
+U64_MAX = (1 << 64) - 1
 
 
 class InvalidNameError(ValueError):
@@ -32,6 +36,19 @@ def check_id(value: str, what: str = "id") -> str:
             "(letters, digits and '-', starting and ending with a letter or digit)"
         )
     return value
+
+
+def parse_number(value: str, what: str = "id", maximum: int = U64_MAX) -> int:
+    """A numeric id in canonical decimal (no sign, spaces or leading zeros), 0..`maximum`."""
+    if not _NUMBER_RE.fullmatch(value) or len(value) > len(str(maximum)):
+        raise InvalidNameError(
+            f"{what} {value[:MAX_ID_LENGTH]!r} is not a number in canonical decimal "
+            "(digits without leading zeros)"
+        )
+    number = int(value)
+    if number > maximum:
+        raise InvalidNameError(f"{what} {value} is larger than {maximum}")
+    return number
 
 
 def parse_name(value: str, *collections: str) -> tuple[str, ...]:

@@ -2,7 +2,10 @@
 
 protoc (grpcio-tools) compiles the .proto files into a descriptor set with source
 info, so the comments come along with the services, RPCs, messages, fields and enums;
-the page is written from that descriptor set, file by file.
+the page is written from that descriptor set, file by file. Its status-code table is
+written from the one place the agent maps errors to codes: `STATUS_FOR` and
+`OTHER_CODES` in dpu_agent/status.py and the docstrings of dpu_agent/errors.py, read
+with `ast` (this checkout's files, whichever copy of the package is installed).
 
     gen_api_docs.py           rewrite docs/api.md
     gen_api_docs.py --check   exit 1 if docs/api.md differs from what would be generated
@@ -11,6 +14,7 @@ the page is written from that descriptor set, file by file.
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import re
 import sys
@@ -18,11 +22,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 from google.protobuf import descriptor_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 OUT = ROOT / "docs" / "api.md"
+STATUS_PY = ROOT / "dpu_agent" / "status.py"
+ERRORS_PY = ROOT / "dpu_agent" / "errors.py"
 PACKAGE = "dpu.v1"
 
 # Field numbers inside descriptor.proto: the paths of SourceCodeInfo.Location.
@@ -87,11 +94,71 @@ def _local(type_name: str) -> str:
     return name.removeprefix(PACKAGE + ".")
 
 
+@dataclass(frozen=True)
+class StatusRow:
+    """One status code the API answers."""
+
+    name: str
+    number: int
+    meaning: str
+    error: str  # the domain error mapped to it ("" for OTHER_CODES)
+
+
+def _dict_literal(tree: ast.Module, name: str) -> ast.Dict:
+    """The dict a module-level `name: ... = {...}` (or `name = {...}`) assigns."""
+    for node in tree.body:
+        target: ast.expr
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == name and isinstance(value, ast.Dict):
+            return value
+    raise SystemExit(f"{STATUS_PY.relative_to(ROOT)}: no dict literal {name}")
+
+
+def _attr(node: ast.expr | None) -> str:
+    """`errors.NotFound` -> NotFound, `grpc.StatusCode.NOT_FOUND` -> NOT_FOUND."""
+    if not isinstance(node, ast.Attribute):
+        raise SystemExit(f"{STATUS_PY.relative_to(ROOT)}: expected a dotted name, not {node}")
+    return node.attr
+
+
+def status_rows() -> list[StatusRow]:
+    """The codes of STATUS_FOR (meaning: the error's docstring) and OTHER_CODES, by number."""
+    status = ast.parse(STATUS_PY.read_text())
+    errors = ast.parse(ERRORS_PY.read_text())
+    docs = {
+        node.name: ast.get_docstring(node) or ""
+        for node in errors.body
+        if isinstance(node, ast.ClassDef)
+    }
+    rows = []
+    mapping = _dict_literal(status, "STATUS_FOR")
+    for key, value in zip(mapping.keys, mapping.values, strict=True):
+        error, code = _attr(key), _attr(value)
+        if not docs.get(error):
+            raise SystemExit(f"{ERRORS_PY.relative_to(ROOT)}: {error} has no docstring")
+        rows.append(StatusRow(code, grpc.StatusCode[code].value[0], docs[error], error))
+    others = _dict_literal(status, "OTHER_CODES")
+    for key, value in zip(others.keys, others.values, strict=True):
+        if not (isinstance(value, ast.Constant) and isinstance(value.value, str)):
+            raise SystemExit(f"{STATUS_PY.relative_to(ROOT)}: OTHER_CODES values are strings")
+        code = _attr(key)
+        rows.append(StatusRow(code, grpc.StatusCode[code].value[0], value.value, ""))
+    return sorted(rows, key=lambda row: row.number)
+
+
 class Writer:
     """Builds the page."""
 
-    def __init__(self, files: list[descriptor_pb2.FileDescriptorProto]) -> None:
+    def __init__(
+        self, files: list[descriptor_pb2.FileDescriptorProto], statuses: list[StatusRow]
+    ) -> None:
         self.files = files
+        self.statuses = statuses
         self.out: list[str] = []
         # every message and enum of the package: local name -> heading
         self.headings: dict[str, str] = {}
@@ -156,7 +223,7 @@ class Writer:
             "client certificate (its subject CN is the tenant) on any address but loopback;",
             "on plaintext loopback, `authorization: Bearer <token>` metadata when",
             "`[auth] tokens_file` is set (its format: README, Security; `dpuctl certs token`",
-            "prints an entry).",
+            "prints an entry). What each status code means: [Status codes](#status-codes).",
             "",
             "## Services",
             "",
@@ -171,9 +238,31 @@ class Writer:
                     f"| `{proto.name}` | {len(service.method)} |"
                 )
         self.out.append("")
+        self._status_codes()
         for proto in self.files:
             self._file(proto)
         return "\n".join(self.out).rstrip("\n") + "\n"
+
+    def _status_codes(self) -> None:
+        self.out += [
+            "## Status codes",
+            "",
+            "Every RPC answers OK or one of these codes, with a message that says what was",
+            "wrong (never a secret). A job's completion (`Completion.status`, the COMPLETION",
+            "capsule's `status`) carries the same numbers. Where a call has codes of its own",
+            "to tell, its comment below names them. This table is written from",
+            "`dpu_agent/status.py`, the one place the agent's errors (`dpu_agent/errors.py`)",
+            "become codes; the agent answers no other code. gRPC itself answers some of them",
+            "too (an unreachable agent, a failed TLS handshake, the caller's own deadline),",
+            "as the rows say.",
+            "",
+            "| code | number | meaning | agent error |",
+            "|---|---|---|---|",
+        ]
+        for row in self.statuses:
+            error = f"`{row.error}`" if row.error else "any other exception"
+            self.out.append(f"| `{row.name}` | {row.number} | {_cell(row.meaning)} | {error} |")
+        self.out.append("")
 
     def _file(self, proto: descriptor_pb2.FileDescriptorProto) -> None:
         comments = Comments.of(proto)
@@ -281,7 +370,7 @@ def descriptors() -> list[descriptor_pb2.FileDescriptorProto]:
 
 def generate() -> str:
     """The text of docs/api.md."""
-    return Writer(descriptors()).write()
+    return Writer(descriptors(), status_rows()).write()
 
 
 def main() -> int:

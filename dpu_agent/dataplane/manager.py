@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from dpu_agent.dataplane.session import SessionEvents
     from dpu_agent.storage import VolumeStore
     from dpu_wire.transport.base import AgentLink, PeerAddress
+    from dpu_wire.v1 import session_pb2
 
     LinkFactory = Callable[[PeerAddress, int, str], Awaitable[AgentLink]]
     """(host address, queue depth, the gRPC peer's IP) -> a connected link."""
@@ -330,13 +331,12 @@ class SessionManager:
 
     def page(
         self,
-        page_size: int,
-        page_token: str,
+        request: session_pb2.ListSessionsRequest,
         keep: Callable[[Session], bool] = lambda _: True,
     ) -> tuple[list[Session], str]:
         """One page of the sessions `keep` accepts, in name order, and the next page's token."""
         chosen = [s for s in self._sessions.values() if keep(s)]
-        return paging.page(chosen, lambda s: s.name, page_size, page_token)
+        return paging.page(chosen, lambda s: s.name, request)
 
     async def close(self, name: str) -> None:
         """Close and forget a session."""

@@ -93,10 +93,15 @@ def job_request(session: Session, spec: job_pb2.JobSpec) -> JobRequest:
 
 
 def _job_id(name: str) -> tuple[str, int]:
-    session_id, job = names.parse_name(name, "sessions", "jobs")
-    if not job.isdigit():
-        raise InvalidArgument(f"{name}: job ids are numbers")
-    return f"sessions/{session_id}", int(job)
+    """The session's name and the job id of "sessions/{session}/jobs/{job}".
+
+    The job id is canonical decimal: `.../jobs/07` is refused, not taken for job 7.
+    """
+    try:
+        session_id, job = names.parse_name(name, "sessions", "jobs")
+        return f"sessions/{session_id}", names.parse_number(job, "job id")
+    except names.InvalidNameError as exc:
+        raise InvalidArgument(f"{name}: {exc}") from None
 
 
 class JobService(job_pb2_grpc.JobServiceServicer):
@@ -132,9 +137,7 @@ class JobService(job_pb2_grpc.JobServiceServicer):
         """A page of a session's open and retained jobs, by id."""
         session = owned_session(self._manager, request.session)
         jobs = [j for j in session.jobs() if not request.state or int(j.state) == request.state]
-        page, token = paging.page(
-            jobs, lambda j: f"{j.job_id:020d}", request.page_size, request.page_token
-        )
+        page, token = paging.page(jobs, lambda j: f"{j.job_id:020d}", request)
         return job_pb2.ListJobsResponse(
             jobs=[convert.job(session, j) for j in page], next_page_token=token
         )

@@ -344,7 +344,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         principal = auth.current_principal()
         port = port_name(request.ingress_port, "ingress_port") if request.ingress_port else None
         rules = [r for r in self._table.rules(port) if principal.can_see(r.tenant)]
-        page, token = paging.page(rules, lambda r: r.rule_id, request.page_size, request.page_token)
+        page, token = paging.page(rules, lambda r: r.rule_id, request)
         return network_pb2.ListFlowRulesResponse(
             flow_rules=[rule_to(r) for r in page], next_page_token=token
         )

@@ -107,9 +107,7 @@ class SessionService(session_pb2_grpc.SessionServiceServicer):
     ) -> session_pb2.ListSessionsResponse:
         """A page of the caller's sessions (an admin's: every session)."""
         principal = auth.current_principal()
-        page, token = self._manager.page(
-            request.page_size, request.page_token, lambda s: principal.can_see(s.tenant)
-        )
+        page, token = self._manager.page(request, lambda s: principal.can_see(s.tenant))
         return session_pb2.ListSessionsResponse(
             sessions=[convert.session(s) for s in page], next_page_token=token
         )

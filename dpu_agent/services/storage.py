@@ -263,9 +263,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         """A page of the caller's volumes (an admin's: every volume) in id order."""
         principal = auth.current_principal()
         volumes = [v for v in await in_thread(self._store.list) if principal.can_see(v.tenant)]
-        page, token = paging.page(
-            volumes, lambda v: v.volume_id, request.page_size, request.page_token
-        )
+        page, token = paging.page(volumes, lambda v: v.volume_id, request)
         return storage_pb2.ListVolumesResponse(
             volumes=[to_proto(v) for v in page], next_page_token=token
         )
@@ -358,9 +356,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
             for s in await in_thread(self._store.list_snapshots)
             if principal.can_see(s.tenant) and (not source or s.source_volume == source)
         ]
-        page, token = paging.page(
-            snaps, lambda s: s.snapshot_id, request.page_size, request.page_token
-        )
+        page, token = paging.page(snaps, lambda s: s.snapshot_id, request)
         return storage_pb2.ListSnapshotsResponse(
             snapshots=[snapshot_to(s) for s in page], next_page_token=token
         )

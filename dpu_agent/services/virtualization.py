@@ -203,9 +203,7 @@ class VirtualizationService(virtualization_pb2_grpc.VirtualizationServiceService
     ) -> virtualization_pb2.ListFunctionsResponse:
         """Functions by id, a page at a time."""
         records = [r for r in await in_thread(self._manager.list) if auth.can_see(r.spec.tenant)]
-        page, token = paging.page(
-            records, lambda r: r.spec.function_id, request.page_size, request.page_token
-        )
+        page, token = paging.page(records, lambda r: r.spec.function_id, request)
         return virtualization_pb2.ListFunctionsResponse(
             functions=[function_to(r) for r in page], next_page_token=token
         )

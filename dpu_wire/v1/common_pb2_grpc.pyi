@@ -6,15 +6,21 @@ Types shared by every dpu.v1 service.
 
 Conventions (Google API style, https://google.aip.dev):
 - Resources are named by a relative resource name, e.g. "volumes/vol-1",
-  "sessions/s-7f3a12c4d5e6/jobs/42". IDs match [a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?.
+  "sessions/s-7f3a12c4d5e6/jobs/42". IDs match [a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?;
+  a malformed name answers INVALID_ARGUMENT. A job's id is its job_id in decimal
+  without leading zeros ("jobs/42", never "jobs/042"), so a resource has one name.
 - A resource belongs to the tenant that made it, and another tenant's answers
   NOT_FOUND exactly as a missing one does. The ids a caller chooses (volumes,
   snapshots, flow rules, functions) are one namespace per agent, as bucket names
   are in S3: a create with an id another tenant holds answers ALREADY_EXISTS,
   which tells that the id is taken and nothing else.
 - Counters and sizes are 64-bit unsigned.
-- List calls take page_size (0 = server default, capped by the server) and an
-  opaque page_token; they return next_page_token ("" on the last page).
+- List calls take page_size (0 = 100 items, more than 500 taken as 500, negative
+  INVALID_ARGUMENT) and an opaque page_token; they return next_page_token ("" on
+  the last page). A page token continues only the call that returned it: the same
+  method with the same parent and filters (page_size may change from page to
+  page). A token from another List method, another parent or with other filters
+  answers INVALID_ARGUMENT, as does one this agent did not issue.
 - Every mutating call carries request_id, an idempotency key (a UUID is
   recommended) of at most 128 characters (a longer one is INVALID_ARGUMENT): a
   retry with the same request_id returns the first result instead of acting

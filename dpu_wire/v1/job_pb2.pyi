@@ -4,7 +4,9 @@
 isort:skip_file
 Jobs: units of offloaded work on a session, each ending in exactly one
 completion. The fast path submits jobs as capsules over the session's data
-plane; SubmitJob is the slow path with the same semantics.
+plane; SubmitJob is the slow path. Both go through the same admission checks
+and an admitted job runs, completes and fails alike (statuses in data-plane.md
+section 2.5, item 7), but a job SubmitJob refuses is no job: see SubmitJob.
 """
 
 from collections import abc as _abc
@@ -450,7 +452,11 @@ class JobSpec(_message.Message):
 
     @_builtins.property
     def deadline(self) -> _duration_pb2.Duration:
-        """Time allowed from submission to completion; 0 = agent default."""
+        """Time allowed from submission to completion: 0 = the agent's default, 60 s (as
+        for a capsule's deadline_ms 0). At most 4294967 s (what a SUBMIT capsule's
+        32-bit deadline_ms holds), nanos 0 to 999999999; a negative or longer deadline
+        is INVALID_ARGUMENT.
+        """
 
     def __init__(
         self,
@@ -490,7 +496,9 @@ class Job(_message.Message):
     SUBMIT_TIME_FIELD_NUMBER: _builtins.int
     COMPLETION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Resource name "sessions/{session}/jobs/{job}". Output only."""
+    """Resource name "sessions/{session}/jobs/{job}", {job} being job_id in decimal
+    without leading zeros. Output only.
+    """
     job_id: _builtins.int
     """Numeric id: a capsule job's is the host's, unique among the session's open
     jobs (a reused one names the latest job); a SubmitJob job's is 2^63 and up.
@@ -590,6 +598,35 @@ Global___Completion: _TypeAlias = Completion  # noqa: Y015
 
 @_typing.final
 class SubmitJobRequest(_message.Message):
+    """Admission differs from a SUBMIT capsule's (data-plane.md section 2.5): a capsule
+    that fails a check becomes a FAILED job with that status (GetJob finds it, a
+    COMPLETION reports it), while SubmitJob answers the check's code as the RPC's
+    error and makes no job (nothing for GetJob, ListJobs or WatchCompletions; the
+    job ids of SubmitJob jobs may skip numbers). The first failing check decides:
+
+    - session: a malformed name, INVALID_ARGUMENT; an unknown session or another
+      tenant's, NOT_FOUND; not ACTIVE, FAILED_PRECONDITION; the agent draining for
+      shutdown, UNAVAILABLE.
+    - spec: no job kind, INVALID_ARGUMENT.
+    - a RegionRef: a malformed region name or a region of another session,
+      INVALID_ARGUMENT; a region not advertised in the session, NOT_FOUND (a
+      capsule's unknown rkey: status 3); offset or offset + length past the region's
+      end, INVALID_ARGUMENT. length 0 means to the region's end (a capsule's span of
+      length 0 is status 3).
+    - a volume: a malformed name, INVALID_ARGUMENT; a volume not attached to the
+      session, FAILED_PRECONDITION (a capsule's unattached handle: status 3).
+    - spec.deadline out of range, INVALID_ARGUMENT.
+    - then the checks of section 2.5 rule 6 that capsules get, each answered with
+      its status as the RPC's code: a region without the access the job needs,
+      PERMISSION_DENIED; a COPY whose lengths differ, a SHA256 destination under 32
+      bytes, a codec not LZ4 or ZSTD, a key handle not registered, INVALID_ARGUMENT;
+      all queue slots in use, RESOURCE_EXHAUSTED unless wait_for_slot.
+
+    Failures after admission (deadline, cancel, I/O, a bad frame, DATA_LOSS, ...)
+    end the job FAILED or CANCELLED with that status in its completion, as for a
+    capsule.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_FIELD_NUMBER: _builtins.int
@@ -629,6 +666,10 @@ class GetJobRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """"sessions/{session}/jobs/{job}". Another spelling of the number ("jobs/07",
+    "jobs/+7") answers INVALID_ARGUMENT; a well-formed name of no open or retained
+    job, NOT_FOUND.
+    """
     def __init__(
         self,
         *,
@@ -651,8 +692,11 @@ class ListJobsRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     session: _builtins.str
+    """"sessions/{session}"."""
     page_size: _builtins.int
+    """0 = 100 jobs; more than 500 is taken as 500; negative is INVALID_ARGUMENT."""
     page_token: _builtins.str
+    """A previous page's next_page_token, with the same session and state."""
     state: Global___JobState.ValueType
     """Only jobs in this state; UNSPECIFIED for all."""
     def __init__(
@@ -701,6 +745,7 @@ class CancelJobRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """"sessions/{session}/jobs/{job}", as in GetJobRequest."""
     request_id: _builtins.str
     def __init__(
         self,

@@ -67,20 +67,26 @@ class JobServiceServicer:
 
     def SubmitJob(self, request, context):
         """Queues a job. A full session queue answers RESOURCE_EXHAUSTED (unless
-        wait_for_slot is set); a job is never dropped.
+        wait_for_slot is set); a job is never dropped. A request that fails admission
+        is answered with the failing check's code and makes no job, where a SUBMIT
+        capsule would make a FAILED job: SubmitJobRequest lists the checks and codes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """An open job, or a finished one the session still retains (its last 1,024).
+        NOT_FOUND otherwise, or for another tenant's session.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The session's open and retained jobs in ascending job_id: capsule jobs (ids
+        below 2^63, the host's) come before SubmitJob jobs (2^63 and up).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -4,7 +4,9 @@
 isort:skip_file
 Jobs: units of offloaded work on a session, each ending in exactly one
 completion. The fast path submits jobs as capsules over the session's data
-plane; SubmitJob is the slow path with the same semantics.
+plane; SubmitJob is the slow path. Both go through the same admission checks
+and an admitted job runs, completes and fails alike (statuses in data-plane.md
+section 2.5, item 7), but a job SubmitJob refuses is no job: see SubmitJob.
 """
 
 from collections import abc as _abc
@@ -37,10 +39,18 @@ class JobServiceStub:
     def __new__(cls, channel: _aio.Channel) -> JobServiceAsyncStub: ...
     SubmitJob: _grpc.UnaryUnaryMultiCallable[_job_pb2.SubmitJobRequest, _job_pb2.Job]
     """Queues a job. A full session queue answers RESOURCE_EXHAUSTED (unless
-    wait_for_slot is set); a job is never dropped.
+    wait_for_slot is set); a job is never dropped. A request that fails admission
+    is answered with the failing check's code and makes no job, where a SUBMIT
+    capsule would make a FAILED job: SubmitJobRequest lists the checks and codes.
     """
     GetJob: _grpc.UnaryUnaryMultiCallable[_job_pb2.GetJobRequest, _job_pb2.Job]
+    """An open job, or a finished one the session still retains (its last 1,024).
+    NOT_FOUND otherwise, or for another tenant's session.
+    """
     ListJobs: _grpc.UnaryUnaryMultiCallable[_job_pb2.ListJobsRequest, _job_pb2.ListJobsResponse]
+    """The session's open and retained jobs in ascending job_id: capsule jobs (ids
+    below 2^63, the host's) come before SubmitJob jobs (2^63 and up).
+    """
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_pb2.CancelJobRequest, _job_pb2.Job]
     """Cancels a queued or running job; it completes with CANCELLED unless it
     finished first. The answer is the job as it was when the cancel was asked for
@@ -60,10 +70,18 @@ class JobServiceAsyncStub(JobServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     SubmitJob: _aio.UnaryUnaryMultiCallable[_job_pb2.SubmitJobRequest, _job_pb2.Job]  # type: ignore[assignment]
     """Queues a job. A full session queue answers RESOURCE_EXHAUSTED (unless
-    wait_for_slot is set); a job is never dropped.
+    wait_for_slot is set); a job is never dropped. A request that fails admission
+    is answered with the failing check's code and makes no job, where a SUBMIT
+    capsule would make a FAILED job: SubmitJobRequest lists the checks and codes.
     """
     GetJob: _aio.UnaryUnaryMultiCallable[_job_pb2.GetJobRequest, _job_pb2.Job]  # type: ignore[assignment]
+    """An open job, or a finished one the session still retains (its last 1,024).
+    NOT_FOUND otherwise, or for another tenant's session.
+    """
     ListJobs: _aio.UnaryUnaryMultiCallable[_job_pb2.ListJobsRequest, _job_pb2.ListJobsResponse]  # type: ignore[assignment]
+    """The session's open and retained jobs in ascending job_id: capsule jobs (ids
+    below 2^63, the host's) come before SubmitJob jobs (2^63 and up).
+    """
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_pb2.CancelJobRequest, _job_pb2.Job]  # type: ignore[assignment]
     """Cancels a queued or running job; it completes with CANCELLED unless it
     finished first. The answer is the job as it was when the cancel was asked for
@@ -86,7 +104,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_pb2.Job, _abc.Awaitable[_job_pb2.Job]]:
         """Queues a job. A full session queue answers RESOURCE_EXHAUSTED (unless
-        wait_for_slot is set); a job is never dropped.
+        wait_for_slot is set); a job is never dropped. A request that fails admission
+        is answered with the failing check's code and makes no job, where a SUBMIT
+        capsule would make a FAILED job: SubmitJobRequest lists the checks and codes.
         """
 
     @_abc_1.abstractmethod
@@ -94,14 +114,20 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _job_pb2.GetJobRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_job_pb2.Job, _abc.Awaitable[_job_pb2.Job]]: ...
+    ) -> _typing.Union[_job_pb2.Job, _abc.Awaitable[_job_pb2.Job]]:
+        """An open job, or a finished one the session still retains (its last 1,024).
+        NOT_FOUND otherwise, or for another tenant's session.
+        """
 
     @_abc_1.abstractmethod
     def ListJobs(
         self,
         request: _job_pb2.ListJobsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_job_pb2.ListJobsResponse, _abc.Awaitable[_job_pb2.ListJobsResponse]]: ...
+    ) -> _typing.Union[_job_pb2.ListJobsResponse, _abc.Awaitable[_job_pb2.ListJobsResponse]]:
+        """The session's open and retained jobs in ascending job_id: capsule jobs (ids
+        below 2^63, the host's) come before SubmitJob jobs (2^63 and up).
+        """
 
     @_abc_1.abstractmethod
     def CancelJob(

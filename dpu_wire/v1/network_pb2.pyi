@@ -179,7 +179,9 @@ class ListPortsRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
+    """Not used: every port comes in one page (negative is still INVALID_ARGUMENT)."""
     page_token: _builtins.str
+    """Not used: next_page_token is always ""."""
     def __init__(
         self,
         *,
@@ -675,7 +677,9 @@ class ListFlowRulesRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     INGRESS_PORT_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
+    """0 = 100 rules; more than 500 is taken as 500; negative is INVALID_ARGUMENT."""
     page_token: _builtins.str
+    """A previous page's next_page_token, with the same ingress_port."""
     ingress_port: _builtins.str
     """Only rules on this port ("ports/{port}"); empty for all."""
     def __init__(

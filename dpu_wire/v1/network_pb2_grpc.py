@@ -126,7 +126,8 @@ class NetworkServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListFlowRules(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's rules (an admin's: every tenant's) in rule id order.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

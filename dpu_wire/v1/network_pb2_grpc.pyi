@@ -57,6 +57,7 @@ class NetworkServiceStub:
     """
     GetFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]
     ListFlowRules: _grpc.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]
+    """The caller's rules (an admin's: every tenant's) in rule id order."""
     UpdateFlowRule: _grpc.UnaryUnaryMultiCallable[_network_pb2.UpdateFlowRuleRequest, _network_pb2.FlowRule]
     """Changes a rule's priority, match, actions or offload: the fields update_mask
     names, or all four when it is empty. The ingress port cannot change (delete
@@ -101,6 +102,7 @@ class NetworkServiceAsyncStub(NetworkServiceStub):
     """
     GetFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.GetFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
     ListFlowRules: _aio.UnaryUnaryMultiCallable[_network_pb2.ListFlowRulesRequest, _network_pb2.ListFlowRulesResponse]  # type: ignore[assignment]
+    """The caller's rules (an admin's: every tenant's) in rule id order."""
     UpdateFlowRule: _aio.UnaryUnaryMultiCallable[_network_pb2.UpdateFlowRuleRequest, _network_pb2.FlowRule]  # type: ignore[assignment]
     """Changes a rule's priority, match, actions or offload: the fields update_mask
     names, or all four when it is empty. The ingress port cannot change (delete
@@ -171,7 +173,8 @@ class NetworkServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _network_pb2.ListFlowRulesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_network_pb2.ListFlowRulesResponse, _abc.Awaitable[_network_pb2.ListFlowRulesResponse]]: ...
+    ) -> _typing.Union[_network_pb2.ListFlowRulesResponse, _abc.Awaitable[_network_pb2.ListFlowRulesResponse]]:
+        """The caller's rules (an admin's: every tenant's) in rule id order."""
 
     @_abc_1.abstractmethod
     def UpdateFlowRule(

@@ -41,6 +41,7 @@ class SessionServiceStub:
     """
     GetSession: _grpc.UnaryUnaryMultiCallable[_session_pb2.GetSessionRequest, _session_pb2.Session]
     ListSessions: _grpc.UnaryUnaryMultiCallable[_session_pb2.ListSessionsRequest, _session_pb2.ListSessionsResponse]
+    """The caller's sessions (an admin's: every tenant's) in name order."""
     CloseSession: _grpc.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]
     """Closes a session: pending jobs end CANCELLED, the queue pair is
     destroyed and every region is forgotten. An unknown name, or another
@@ -79,6 +80,7 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """
     GetSession: _aio.UnaryUnaryMultiCallable[_session_pb2.GetSessionRequest, _session_pb2.Session]  # type: ignore[assignment]
     ListSessions: _aio.UnaryUnaryMultiCallable[_session_pb2.ListSessionsRequest, _session_pb2.ListSessionsResponse]  # type: ignore[assignment]
+    """The caller's sessions (an admin's: every tenant's) in name order."""
     CloseSession: _aio.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]  # type: ignore[assignment]
     """Closes a session: pending jobs end CANCELLED, the queue pair is
     destroyed and every region is forgotten. An unknown name, or another
@@ -131,7 +133,8 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _session_pb2.ListSessionsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_session_pb2.ListSessionsResponse, _abc.Awaitable[_session_pb2.ListSessionsResponse]]: ...
+    ) -> _typing.Union[_session_pb2.ListSessionsResponse, _abc.Awaitable[_session_pb2.ListSessionsResponse]]:
+        """The caller's sessions (an admin's: every tenant's) in name order."""
 
     @_abc_1.abstractmethod
     def CloseSession(

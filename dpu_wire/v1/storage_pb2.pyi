@@ -219,6 +219,9 @@ class Volume(_message.Message):
     name: _builtins.str
     """Resource name "volumes/{volume}"."""
     size_bytes: _builtins.int
+    """A positive multiple of block_size, at most 1 TiB (2^40 bytes, the store's limit
+    per volume); INVALID_ARGUMENT otherwise.
+    """
     block_size: _builtins.int
     """512 or 4096; 0 = 4096"""
     tenant: _builtins.str
@@ -273,8 +276,9 @@ class CreateVolumeRequest(_message.Message):
     volume_id: _builtins.str
     """The id part of the name: "volumes/{volume_id}"."""
     encryption_key: _builtins.bytes
-    """Encryption key for AES-XTS-256 (64 bytes). Empty = the agent generates one.
-    Input only: never returned, logged or echoed in errors.
+    """Encryption key for AES-XTS-256: 64 bytes, two 32-byte keys that must differ
+    (XTS uses two keys; equal halves or another length is INVALID_ARGUMENT). Empty =
+    the agent generates one. Input only: never returned, logged or echoed in errors.
     """
     request_id: _builtins.str
     @_builtins.property
@@ -321,7 +325,9 @@ class ListVolumesRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
+    """0 = 100 volumes; more than 500 is taken as 500; negative is INVALID_ARGUMENT."""
     page_token: _builtins.str
+    """A previous page's next_page_token."""
     def __init__(
         self,
         *,
@@ -369,6 +375,7 @@ class ResizeVolumeRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     size_bytes: _builtins.int
+    """As Volume.size_bytes: a positive multiple of the block size, at most 1 TiB."""
     force: _builtins.bool
     request_id: _builtins.str
     def __init__(
@@ -571,7 +578,9 @@ class ListSnapshotsRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     SOURCE_VOLUME_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
+    """0 = 100 snapshots; more than 500 is taken as 500; negative is INVALID_ARGUMENT."""
     page_token: _builtins.str
+    """A previous page's next_page_token, with the same source_volume."""
     source_volume: _builtins.str
     """Only snapshots of this volume ("volumes/{volume}"); empty for all."""
     def __init__(

@@ -92,10 +92,11 @@ class StorageServiceServicer:
 
     def CreateVolume(self, request, context):
         """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
-        INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
-        encryption_key on a volume without encryption. RESOURCE_EXHAUSTED past the
-        tenant's quota: [quota] max_volumes (1024 by default; a clone counts), or
-        max_volume_bytes.
+        INVALID_ARGUMENT for a size that is 0, not a multiple of the block size or over
+        1 TiB ("over the store's limit"), or an encryption_key that is not 64 bytes, has
+        two equal halves, or is given for a volume without encryption. These are checked
+        before any quota. RESOURCE_EXHAUSTED past the tenant's quota: [quota]
+        max_volumes (1024 by default; a clone counts), or max_volume_bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,7 +109,8 @@ class StorageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListVolumes(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's volumes (an admin's: every tenant's) in volume id order.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -124,7 +126,8 @@ class StorageServiceServicer:
 
     def ResizeVolume(self, request, context):
         """Grows or shrinks a volume; shrinking below written data needs force
-        (FAILED_PRECONDITION without it).
+        (FAILED_PRECONDITION without it). The new size follows Volume.size_bytes's rules
+        (INVALID_ARGUMENT otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -157,7 +160,8 @@ class StorageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListSnapshots(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's snapshots (an admin's: every tenant's) in snapshot id order.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -44,13 +44,15 @@ class StorageServiceStub:
     def __new__(cls, channel: _aio.Channel) -> StorageServiceAsyncStub: ...
     CreateVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.CreateVolumeRequest, _storage_pb2.Volume]
     """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
-    INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
-    encryption_key on a volume without encryption. RESOURCE_EXHAUSTED past the
-    tenant's quota: [quota] max_volumes (1024 by default; a clone counts), or
-    max_volume_bytes.
+    INVALID_ARGUMENT for a size that is 0, not a multiple of the block size or over
+    1 TiB ("over the store's limit"), or an encryption_key that is not 64 bytes, has
+    two equal halves, or is given for a volume without encryption. These are checked
+    before any quota. RESOURCE_EXHAUSTED past the tenant's quota: [quota]
+    max_volumes (1024 by default; a clone counts), or max_volume_bytes.
     """
     GetVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetVolumeRequest, _storage_pb2.Volume]
     ListVolumes: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ListVolumesRequest, _storage_pb2.ListVolumesResponse]
+    """The caller's volumes (an admin's: every tenant's) in volume id order."""
     UpdateVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.UpdateVolumeRequest, _storage_pb2.Volume]
     """Changes a volume's QoS limits (update_mask: "qos", or some of "qos.read_iops",
     "qos.write_iops", "qos.read_bytes_per_second", "qos.write_bytes_per_second";
@@ -58,7 +60,8 @@ class StorageServiceStub:
     """
     ResizeVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ResizeVolumeRequest, _storage_pb2.Volume]
     """Grows or shrinks a volume; shrinking below written data needs force
-    (FAILED_PRECONDITION without it).
+    (FAILED_PRECONDITION without it). The new size follows Volume.size_bytes's rules
+    (INVALID_ARGUMENT otherwise).
     """
     DeleteVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.DeleteVolumeRequest, _storage_pb2.DeleteVolumeResponse]
     """Deletes a volume and frees what nothing else uses. FAILED_PRECONDITION while a
@@ -74,6 +77,7 @@ class StorageServiceStub:
     """
     GetSnapshot: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetSnapshotRequest, _storage_pb2.Snapshot]
     ListSnapshots: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ListSnapshotsRequest, _storage_pb2.ListSnapshotsResponse]
+    """The caller's snapshots (an admin's: every tenant's) in snapshot id order."""
     DeleteSnapshot: _grpc.UnaryUnaryMultiCallable[_storage_pb2.DeleteSnapshotRequest, _storage_pb2.DeleteSnapshotResponse]
     """Deletes a snapshot, freeing what nothing else uses. FAILED_PRECONDITION while
     volumes cloned from it exist.
@@ -84,13 +88,15 @@ class StorageServiceAsyncStub(StorageServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.CreateVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
-    INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
-    encryption_key on a volume without encryption. RESOURCE_EXHAUSTED past the
-    tenant's quota: [quota] max_volumes (1024 by default; a clone counts), or
-    max_volume_bytes.
+    INVALID_ARGUMENT for a size that is 0, not a multiple of the block size or over
+    1 TiB ("over the store's limit"), or an encryption_key that is not 64 bytes, has
+    two equal halves, or is given for a volume without encryption. These are checked
+    before any quota. RESOURCE_EXHAUSTED past the tenant's quota: [quota]
+    max_volumes (1024 by default; a clone counts), or max_volume_bytes.
     """
     GetVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     ListVolumes: _aio.UnaryUnaryMultiCallable[_storage_pb2.ListVolumesRequest, _storage_pb2.ListVolumesResponse]  # type: ignore[assignment]
+    """The caller's volumes (an admin's: every tenant's) in volume id order."""
     UpdateVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.UpdateVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     """Changes a volume's QoS limits (update_mask: "qos", or some of "qos.read_iops",
     "qos.write_iops", "qos.read_bytes_per_second", "qos.write_bytes_per_second";
@@ -98,7 +104,8 @@ class StorageServiceAsyncStub(StorageServiceStub):
     """
     ResizeVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.ResizeVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     """Grows or shrinks a volume; shrinking below written data needs force
-    (FAILED_PRECONDITION without it).
+    (FAILED_PRECONDITION without it). The new size follows Volume.size_bytes's rules
+    (INVALID_ARGUMENT otherwise).
     """
     DeleteVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.DeleteVolumeRequest, _storage_pb2.DeleteVolumeResponse]  # type: ignore[assignment]
     """Deletes a volume and frees what nothing else uses. FAILED_PRECONDITION while a
@@ -114,6 +121,7 @@ class StorageServiceAsyncStub(StorageServiceStub):
     """
     GetSnapshot: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetSnapshotRequest, _storage_pb2.Snapshot]  # type: ignore[assignment]
     ListSnapshots: _aio.UnaryUnaryMultiCallable[_storage_pb2.ListSnapshotsRequest, _storage_pb2.ListSnapshotsResponse]  # type: ignore[assignment]
+    """The caller's snapshots (an admin's: every tenant's) in snapshot id order."""
     DeleteSnapshot: _aio.UnaryUnaryMultiCallable[_storage_pb2.DeleteSnapshotRequest, _storage_pb2.DeleteSnapshotResponse]  # type: ignore[assignment]
     """Deletes a snapshot, freeing what nothing else uses. FAILED_PRECONDITION while
     volumes cloned from it exist.
@@ -127,10 +135,11 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.Volume, _abc.Awaitable[_storage_pb2.Volume]]:
         """Creates a volume, or a clone of a snapshot when volume.source_snapshot is set.
-        INVALID_ARGUMENT for a size that is 0 or not a multiple of the block size, or an
-        encryption_key on a volume without encryption. RESOURCE_EXHAUSTED past the
-        tenant's quota: [quota] max_volumes (1024 by default; a clone counts), or
-        max_volume_bytes.
+        INVALID_ARGUMENT for a size that is 0, not a multiple of the block size or over
+        1 TiB ("over the store's limit"), or an encryption_key that is not 64 bytes, has
+        two equal halves, or is given for a volume without encryption. These are checked
+        before any quota. RESOURCE_EXHAUSTED past the tenant's quota: [quota]
+        max_volumes (1024 by default; a clone counts), or max_volume_bytes.
         """
 
     @_abc_1.abstractmethod
@@ -145,7 +154,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _storage_pb2.ListVolumesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_storage_pb2.ListVolumesResponse, _abc.Awaitable[_storage_pb2.ListVolumesResponse]]: ...
+    ) -> _typing.Union[_storage_pb2.ListVolumesResponse, _abc.Awaitable[_storage_pb2.ListVolumesResponse]]:
+        """The caller's volumes (an admin's: every tenant's) in volume id order."""
 
     @_abc_1.abstractmethod
     def UpdateVolume(
@@ -165,7 +175,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.Volume, _abc.Awaitable[_storage_pb2.Volume]]:
         """Grows or shrinks a volume; shrinking below written data needs force
-        (FAILED_PRECONDITION without it).
+        (FAILED_PRECONDITION without it). The new size follows Volume.size_bytes's rules
+        (INVALID_ARGUMENT otherwise).
         """
 
     @_abc_1.abstractmethod
@@ -204,7 +215,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _storage_pb2.ListSnapshotsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_storage_pb2.ListSnapshotsResponse, _abc.Awaitable[_storage_pb2.ListSnapshotsResponse]]: ...
+    ) -> _typing.Union[_storage_pb2.ListSnapshotsResponse, _abc.Awaitable[_storage_pb2.ListSnapshotsResponse]]:
+        """The caller's snapshots (an admin's: every tenant's) in snapshot id order."""
 
     @_abc_1.abstractmethod
     def DeleteSnapshot(

@@ -200,7 +200,9 @@ class ListFunctionsRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
+    """0 = 100 functions; more than 500 is taken as 500; negative is INVALID_ARGUMENT."""
     page_token: _builtins.str
+    """A previous page's next_page_token."""
     def __init__(
         self,
         *,

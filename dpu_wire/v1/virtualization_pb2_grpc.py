@@ -78,7 +78,8 @@ class VirtualizationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListFunctions(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's functions (an admin's: every tenant's) in function id order.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -37,6 +37,7 @@ class VirtualizationServiceStub:
     CreateFunction: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.CreateFunctionRequest, _virtualization_pb2.Function]
     GetFunction: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.GetFunctionRequest, _virtualization_pb2.Function]
     ListFunctions: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.ListFunctionsRequest, _virtualization_pb2.ListFunctionsResponse]
+    """The caller's functions (an admin's: every tenant's) in function id order."""
     UpdateFunction: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.UpdateFunctionRequest, _virtualization_pb2.Function]
     DeleteFunction: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.DeleteFunctionRequest, _virtualization_pb2.DeleteFunctionResponse]
     """Refused with FAILED_PRECONDITION while a flow rule or a mounted volume uses it."""
@@ -47,6 +48,7 @@ class VirtualizationServiceAsyncStub(VirtualizationServiceStub):
     CreateFunction: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.CreateFunctionRequest, _virtualization_pb2.Function]  # type: ignore[assignment]
     GetFunction: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.GetFunctionRequest, _virtualization_pb2.Function]  # type: ignore[assignment]
     ListFunctions: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.ListFunctionsRequest, _virtualization_pb2.ListFunctionsResponse]  # type: ignore[assignment]
+    """The caller's functions (an admin's: every tenant's) in function id order."""
     UpdateFunction: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.UpdateFunctionRequest, _virtualization_pb2.Function]  # type: ignore[assignment]
     DeleteFunction: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.DeleteFunctionRequest, _virtualization_pb2.DeleteFunctionResponse]  # type: ignore[assignment]
     """Refused with FAILED_PRECONDITION while a flow rule or a mounted volume uses it."""
@@ -71,7 +73,8 @@ class VirtualizationServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _virtualization_pb2.ListFunctionsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_virtualization_pb2.ListFunctionsResponse, _abc.Awaitable[_virtualization_pb2.ListFunctionsResponse]]: ...
+    ) -> _typing.Union[_virtualization_pb2.ListFunctionsResponse, _abc.Awaitable[_virtualization_pb2.ListFunctionsResponse]]:
+        """The caller's functions (an admin's: every tenant's) in function id order."""
 
     @_abc_1.abstractmethod
     def UpdateFunction(

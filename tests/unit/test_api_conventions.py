@@ -64,3 +64,26 @@ def test_resources_are_named(method):
         return  # a singleton: the agent being called
     if method.name.startswith(("Get", "Delete", "Close", "Cancel", "Withdraw")):
         assert "name" in method.input_type.fields_by_name, method.full_name
+
+
+def test_the_limits_the_proto_comments_state_are_the_agents():
+    """The numbers the comments give an implementer are the ones the code enforces."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from dpu_agent import paging  # noqa: PLC0415
+    from dpu_agent.dataplane.manager import ManagerSettings  # noqa: PLC0415
+    from dpu_agent.services.jobs import MAX_DEADLINE_S  # noqa: PLC0415
+    from dpu_agent.storage.engine import DEFAULT_MAX_VOLUME_BYTES  # noqa: PLC0415
+
+    protos = Path(__file__).resolve().parents[2] / "proto" / "dpu" / "v1"
+    job, storage = (protos / "job.proto").read_text(), (protos / "storage.proto").read_text()
+    assert f"At most {MAX_DEADLINE_S} s" in job
+    assert ManagerSettings().default_deadline == 60
+    assert "0 = the agent's default, 60 s" in job
+    assert DEFAULT_MAX_VOLUME_BYTES == 1 << 40
+    assert "at most 1 TiB (2^40 bytes" in storage
+    sizes = f"0 = {paging.DEFAULT_PAGE_SIZE} "
+    cap = f"more than {paging.MAX_PAGE_SIZE} is taken as {paging.MAX_PAGE_SIZE}"
+    paged = [p.read_text() for p in protos.glob("*.proto")]  # six List calls, common.proto
+    assert sum(text.count(sizes) for text in paged) == 7
+    assert sum(text.count(cap) for text in paged) == 6

@@ -1,9 +1,13 @@
+import importlib.util
+import sys
+from pathlib import Path
+
 import grpc
 import pytest
 
 import host_client
 from dpu_agent import errors
-from dpu_agent.status import STATUS_FOR, code_for, status_for
+from dpu_agent.status import FOR_OTHER_ERRORS, OTHER_CODES, STATUS_FOR, code_for, status_for
 from host_client._errors import _ERROR_FOR
 
 
@@ -56,3 +60,21 @@ def test_agent_statuses_round_trip_to_sdk_errors():
 def test_completion_codes_use_the_same_numbers():
     assert code_for(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND.value[0]
     assert code_for(RuntimeError("boom")) == grpc.StatusCode.INTERNAL.value[0]
+
+
+def test_docs_api_md_lists_every_code_the_agent_answers(monkeypatch):
+    """gen_api_docs.py reads status.py with ast: its table must match the live mapping."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gen_api_docs.py"
+    spec = importlib.util.spec_from_file_location("gen_api_docs", path)
+    assert spec is not None
+    assert spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gen)  # its dataclasses look themselves up
+    spec.loader.exec_module(gen)
+    rows = {row.name: row.error for row in gen.status_rows()}
+    expected = {code.name: cls.__name__ for cls, code in STATUS_FOR.items()}
+    assert rows == expected | {code.name: "" for code in OTHER_CODES}
+    assert FOR_OTHER_ERRORS in OTHER_CODES
+    api_md = (path.parents[1] / "docs" / "api.md").read_text()
+    assert "## Status codes" in api_md
+    assert "`UNAUTHENTICATED` | 16 |" in api_md
