@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 from hypothesis import strategies as st
 
 import host_client
-from dpu_wire.v1 import network_pb2, session_pb2, virtualization_pb2
+from dpu_wire.v1 import job_pb2, network_pb2, session_pb2, storage_pb2, virtualization_pb2
 from tests.fuzz.proto_strategies import texts, weighted
 
 if TYPE_CHECKING:
@@ -261,6 +261,7 @@ class World:
         for _ in range(sessions):
             self.sessions.append(await self._open_session())
         self._refresh_pools()
+        await self._add_page_tokens()
 
     async def _open_session(self) -> FuzzSession:
         session = await self.client.open_session(transport="tcp", queue_depth=16, label="fuzz")
@@ -294,6 +295,30 @@ class World:
                     await fuzz.session.close()
                 self.sessions[index] = await self._reopen()
         self._refresh_pools()
+        await self._add_page_tokens()
+
+    async def _add_page_tokens(self) -> None:
+        """Add tokens the agent issued to the pool (page_size 1), beside the made-up ones.
+
+        A token is bound to its List method, parent and filters: these continue their own
+        call, and make every other List call they are sent with answer INVALID_ARGUMENT.
+        """
+        stubs = self.client.stubs
+        calls: list[tuple[Any, Any]] = [
+            (stubs.storage.ListVolumes, storage_pb2.ListVolumesRequest(page_size=1)),
+            (stubs.storage.ListSnapshots, storage_pb2.ListSnapshotsRequest(page_size=1)),
+            (stubs.network.ListFlowRules, network_pb2.ListFlowRulesRequest(page_size=1)),
+            (stubs.sessions.ListSessions, session_pb2.ListSessionsRequest(page_size=1)),
+            *(
+                (stubs.jobs.ListJobs, job_pb2.ListJobsRequest(session=s.name, page_size=1))
+                for s in self.sessions
+            ),
+        ]
+        for method, request in calls:
+            with contextlib.suppress(host_client.DpuError):
+                token = (await self.client._call(method, request)).next_page_token
+                if token:
+                    self.pools["tokens"].append(token)
 
     async def _reopen(self) -> FuzzSession:
         """A new session; fuzzed OpenSession calls may hold every slot for a while."""
