@@ -113,6 +113,8 @@ Example file (every key optional):
     max_queue_depth = 0           # jobs in flight over all the tenant's sessions
     max_flow_rules = 1024         # flow rules of a tenant (on by default)
     max_functions = 64            # functions (VFs, SFs, virtio, NVMe) of a tenant (on)
+    max_block_functions = 4       # of them block functions (virtio-blk, NVMe): each holds
+                                  # one of the kernel's NBD devices (16 by default) (on)
 
 Without [tls] files the agent refuses to start unless plaintext_loopback is set and
 it listens on loopback. With them every caller needs a client certificate that chains
@@ -225,6 +227,7 @@ class AgentConfig:
     quota_max_queue_depth: int = 0
     quota_max_flow_rules: int = 1024
     quota_max_functions: int = 64
+    quota_max_block_functions: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -743,6 +746,11 @@ SETTINGS: Final = (
             ("max_queue_depth", _integer(1, 1 << 22, NO_LIMIT), "jobs in flight per tenant"),
             ("max_flow_rules", _integer(1, 1 << 20, NO_LIMIT), "flow rules per tenant"),
             ("max_functions", _integer(1, 1 << 20, NO_LIMIT), "functions per tenant"),
+            (
+                "max_block_functions",
+                _integer(1, 1 << 20, NO_LIMIT),
+                "block functions (each an NBD device) per tenant",
+            ),
         )
     ),
 )

@@ -18,6 +18,9 @@ concurrent calls cannot both slip under a limit. Admins are bound like everyone 
   later change of the rule table). Enforced by the NetworkService.
 - max_functions: functions a tenant owns (64 by default: the agent's 1024, and the
   NIC's VFs and SFs, are shared by every tenant). Enforced by the FunctionManager.
+- max_block_functions: of them, block functions (virtio-blk, NVMe): 4 by default, since
+  on the linux backend each holds one of the kernel's NBD devices, 16 unless the nbd
+  module is loaded with more, shared by every tenant. Enforced by the FunctionManager.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Quotas:
     max_queue_depth: int = 0
     max_flow_rules: int = 0
     max_functions: int = 0
+    max_block_functions: int = 0
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> Quotas:
@@ -54,6 +58,7 @@ class Quotas:
             max_queue_depth=config.quota_max_queue_depth,
             max_flow_rules=config.quota_max_flow_rules,
             max_functions=config.quota_max_functions,
+            max_block_functions=config.quota_max_block_functions,
         )
 
     def check_volumes(self, tenant: str, count: int, size_bytes: int) -> None:
@@ -80,9 +85,10 @@ class Quotas:
         """`count` flow rules would fit."""
         _check(tenant, "max_flow_rules", self.max_flow_rules, count, "flow rules")
 
-    def check_functions(self, tenant: str, count: int) -> None:
-        """`count` functions would fit."""
+    def check_functions(self, tenant: str, count: int, blocks: int = 0) -> None:
+        """`count` functions, `blocks` of them block functions, would fit."""
         _check(tenant, "max_functions", self.max_functions, count, "functions")
+        _check(tenant, "max_block_functions", self.max_block_functions, blocks, "block functions")
 
 
 def _check(tenant: str, key: str, limit: int, wanted: int, what: str) -> None:

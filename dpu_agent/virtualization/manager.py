@@ -208,8 +208,11 @@ class FunctionManager:
         with self._lock:
             if spec.function_id in self._records:
                 raise AlreadyExists(f"functions/{spec.function_id} already exists")
-            owned = sum(1 for r in self._records.values() if r.spec.tenant == spec.tenant)
-            self._quotas.check_functions(spec.tenant, owned + 1)
+            owned = [r.spec for r in self._records.values() if r.spec.tenant == spec.tenant]
+            blocks = sum(1 for s in owned if s.type.is_block)
+            self._quotas.check_functions(
+                spec.tenant, len(owned) + 1, blocks + 1 if spec.type.is_block else 0
+            )
             self._check_mac_free(spec.mac, spec.function_id)
             if len(self._records) >= self._max:
                 raise FailedPrecondition(f"this agent manages at most {self._max} functions")

@@ -570,6 +570,46 @@ async def test_function_quota_is_per_tenant(function_quota_agent, pki):
         await g.delete_function("functions/gq-1")
 
 
+@pytest.fixture(scope="module")
+def block_quota_agent(tmp_path_factory, pki):
+    """The default quotas; functions kept in memory (their block devices too)."""
+    env = {"DPU_AGENT_NETWORK_BACKEND": "memory", "DPU_AGENT_VIRT_BACKEND": "memory"}
+    agent = start_agent(tmp_path_factory.mktemp("block-quota-agent"), pki=pki, env=env)
+    yield agent
+    assert agent.terminate() == 0, agent.log_path.read_text()
+
+
+@pytest.mark.asyncio
+async def test_block_functions_are_bounded_per_tenant_by_default(block_quota_agent, pki):
+    """Each block function holds one of the kernel's NBD devices (16 by default) on the
+    linux backend, and max_functions (64) let one tenant take them all (an audit);
+    [quota] max_block_functions (4 by default) bounds its share."""
+    nvme = virtualization_pb2.FUNCTION_TYPE_NVME
+    async with (
+        tenant(block_quota_agent, pki, "tenant-h") as h,
+        tenant(block_quota_agent, pki, "tenant-i") as i,
+    ):
+        for n in range(5):
+            await h.create_volume(f"hb-{n}", 1 << 20)
+        for n in range(4):
+            await h.create_function(
+                f"hb-{n}", virtualization_pb2.Function(type=nvme, volume=f"volumes/hb-{n}")
+            )
+        with pytest.raises(host_client.ResourceExhaustedError, match="max_block_functions"):
+            await h.create_function(
+                "hb-4", virtualization_pb2.Function(type=nvme, volume="volumes/hb-4")
+            )
+        vf = virtualization_pb2.Function(type=virtualization_pb2.FUNCTION_TYPE_VF)
+        await h.create_function("hv-0", vf)  # other functions are not block functions
+        await i.create_volume("ib-0", 1 << 20)
+        await i.create_function(  # per tenant: I has its own
+            "ib-0", virtualization_pb2.Function(type=nvme, volume="volumes/ib-0")
+        )
+        for name in ("hv-0", "hb-0", "hb-1", "hb-2", "hb-3"):
+            await h.delete_function(f"functions/{name}")
+        await i.delete_function("functions/ib-0")
+
+
 @pytest.mark.asyncio
 async def test_flow_rule_quota(quota_agent, pki):
     async with tenant(quota_agent, pki, "tenant-a") as a:
