@@ -482,8 +482,13 @@ async def test_snapshot_quota_counts_snapshots_that_hold_nothing_and_outlive_the
 
 @pytest.fixture(scope="module")
 def default_quota_agent(tmp_path_factory, pki):
-    """An agent with the default [quota] (the memory store: many creates, quickly)."""
-    env = {"DPU_AGENT_STORAGE_BACKEND": "memory", "DPU_AGENT_NETWORK_BACKEND": "memory"}
+    """An agent with the default [quota] (the memory store: many creates, quickly;
+    functions kept in memory, their block devices too)."""
+    env = {
+        "DPU_AGENT_STORAGE_BACKEND": "memory",
+        "DPU_AGENT_NETWORK_BACKEND": "memory",
+        "DPU_AGENT_VIRT_BACKEND": "memory",
+    }
     agent = start_agent(tmp_path_factory.mktemp("default-quota-agent"), pki=pki, env=env)
     yield agent
     assert agent.terminate() == 0, agent.log_path.read_text()
@@ -570,24 +575,15 @@ async def test_function_quota_is_per_tenant(function_quota_agent, pki):
         await g.delete_function("functions/gq-1")
 
 
-@pytest.fixture(scope="module")
-def block_quota_agent(tmp_path_factory, pki):
-    """The default quotas; functions kept in memory (their block devices too)."""
-    env = {"DPU_AGENT_NETWORK_BACKEND": "memory", "DPU_AGENT_VIRT_BACKEND": "memory"}
-    agent = start_agent(tmp_path_factory.mktemp("block-quota-agent"), pki=pki, env=env)
-    yield agent
-    assert agent.terminate() == 0, agent.log_path.read_text()
-
-
 @pytest.mark.asyncio
-async def test_block_functions_are_bounded_per_tenant_by_default(block_quota_agent, pki):
+async def test_block_functions_are_bounded_per_tenant_by_default(default_quota_agent, pki):
     """Each block function holds one of the kernel's NBD devices (16 by default) on the
     linux backend, and max_functions (64) let one tenant take them all (an audit);
     [quota] max_block_functions (4 by default) bounds its share."""
     nvme = virtualization_pb2.FUNCTION_TYPE_NVME
     async with (
-        tenant(block_quota_agent, pki, "tenant-h") as h,
-        tenant(block_quota_agent, pki, "tenant-i") as i,
+        tenant(default_quota_agent, pki, "tenant-h") as h,
+        tenant(default_quota_agent, pki, "tenant-i") as i,
     ):
         for n in range(5):
             await h.create_volume(f"hb-{n}", 1 << 20)

@@ -23,7 +23,7 @@ from dpu_agent.storage import DataServices, MemoryVolumeStore, QosLimits
 from dpu_wire import capsule
 from dpu_wire.capsule import Span, State
 from dpu_wire.jobkinds import FLAG_FUA, FLAG_INLINE, JobKind
-from tests.links import NoStaging, StandInHooks
+from tests.links import NoStaging, RecordingLink, StandInHooks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -37,25 +37,6 @@ MiB = 1 << 20
 BLOCK = bytes(range(256)) * 16  # one 4 KiB block
 LIMIT = 10  # write IOPS: a burst of 10 at once, then one write each 0.1 s
 WAITING = 20  # writes past the burst: they wait 0.1 s, 0.2 s, ... 2.0 s
-
-
-class _Link:
-    inline_max = 4096
-
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-
-    def room(self) -> int:
-        return 1 << 20
-
-    def post_send(self, message: bytes, _token: int | None = None) -> None:
-        self.sent.append(bytes(message))
-
-    def flush(self) -> None:
-        pass
-
-    def fast_regions(self, _regions: list[tuple[int, int, int]], _sink: object) -> bool:
-        return False
 
 
 class _Reactor:
@@ -87,10 +68,16 @@ class _Reactor:
                 fn()
 
 
+def _link() -> RecordingLink:
+    link = RecordingLink()
+    link.inline_max = 4096  # the writes carry their block inline
+    return link
+
+
 def _session(store: MemoryVolumeStore, reactor: _Reactor) -> pipeline.Pipeline:
     return pipeline.Pipeline(
         hooks=cast("pipeline.SessionHooks", StandInHooks({1: "v"})),
-        link=cast("AgentLink", _Link()),
+        link=cast("AgentLink", _link()),
         reactor=cast("Reactor", reactor),
         staging=cast("Staging", NoStaging()),
         regions=RegionTable(),
