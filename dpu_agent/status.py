@@ -3,8 +3,7 @@
 `dpu_agent.interceptor` uses `status_for` to abort RPCs; the data plane uses
 `code_for` to fill the status of a completion capsule (the same numbers).
 scripts/gen_api_docs.py writes the status-code table of docs/api.md from `STATUS_FOR`,
-`OTHER_CODES` and the domain errors' docstrings (it parses these files, so keep the
-two tables literal).
+`OTHER_CODES` and the domain errors' docstrings.
 """
 
 from __future__ import annotations

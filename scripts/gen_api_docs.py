@@ -4,8 +4,7 @@ protoc (grpcio-tools) compiles the .proto files into a descriptor set with sourc
 info, so the comments come along with the services, RPCs, messages, fields and enums;
 the page is written from that descriptor set, file by file. Its status-code table is
 written from the one place the agent maps errors to codes: `STATUS_FOR` and
-`OTHER_CODES` in dpu_agent/status.py and the docstrings of dpu_agent/errors.py, read
-with `ast` (this checkout's files, whichever copy of the package is installed).
+`OTHER_CODES` in dpu_agent/status.py and the docstrings of dpu_agent/errors.py.
 
     gen_api_docs.py           rewrite docs/api.md
     gen_api_docs.py --check   exit 1 if docs/api.md differs from what would be generated
@@ -14,22 +13,21 @@ with `ast` (this checkout's files, whichever copy of the package is installed).
 from __future__ import annotations
 
 import argparse
-import ast
 import difflib
+import inspect
 import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 from google.protobuf import descriptor_pb2
+
+from dpu_agent import status
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 OUT = ROOT / "docs" / "api.md"
-STATUS_PY = ROOT / "dpu_agent" / "status.py"
-ERRORS_PY = ROOT / "dpu_agent" / "errors.py"
 PACKAGE = "dpu.v1"
 
 # Field numbers inside descriptor.proto: the paths of SourceCodeInfo.Location.
@@ -104,50 +102,18 @@ class StatusRow:
     error: str  # the domain error mapped to it ("" for OTHER_CODES)
 
 
-def _dict_literal(tree: ast.Module, name: str) -> ast.Dict:
-    """The dict a module-level `name: ... = {...}` (or `name = {...}`) assigns."""
-    for node in tree.body:
-        target: ast.expr
-        if isinstance(node, ast.AnnAssign):
-            target, value = node.target, node.value
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        else:
-            continue
-        if isinstance(target, ast.Name) and target.id == name and isinstance(value, ast.Dict):
-            return value
-    raise SystemExit(f"{STATUS_PY.relative_to(ROOT)}: no dict literal {name}")
-
-
-def _attr(node: ast.expr | None) -> str:
-    """`errors.NotFound` -> NotFound, `grpc.StatusCode.NOT_FOUND` -> NOT_FOUND."""
-    if not isinstance(node, ast.Attribute):
-        raise SystemExit(f"{STATUS_PY.relative_to(ROOT)}: expected a dotted name, not {node}")
-    return node.attr
-
-
 def status_rows() -> list[StatusRow]:
     """The codes of STATUS_FOR (meaning: the error's docstring) and OTHER_CODES, by number."""
-    status = ast.parse(STATUS_PY.read_text())
-    errors = ast.parse(ERRORS_PY.read_text())
-    docs = {
-        node.name: ast.get_docstring(node) or ""
-        for node in errors.body
-        if isinstance(node, ast.ClassDef)
-    }
     rows = []
-    mapping = _dict_literal(status, "STATUS_FOR")
-    for key, value in zip(mapping.keys, mapping.values, strict=True):
-        error, code = _attr(key), _attr(value)
-        if not docs.get(error):
-            raise SystemExit(f"{ERRORS_PY.relative_to(ROOT)}: {error} has no docstring")
-        rows.append(StatusRow(code, grpc.StatusCode[code].value[0], docs[error], error))
-    others = _dict_literal(status, "OTHER_CODES")
-    for key, value in zip(others.keys, others.values, strict=True):
-        if not (isinstance(value, ast.Constant) and isinstance(value.value, str)):
-            raise SystemExit(f"{STATUS_PY.relative_to(ROOT)}: OTHER_CODES values are strings")
-        code = _attr(key)
-        rows.append(StatusRow(code, grpc.StatusCode[code].value[0], value.value, ""))
+    for error, code in status.STATUS_FOR.items():
+        doc = error.__dict__.get("__doc__")  # its own, not a base class's
+        if not doc:
+            raise SystemExit(f"dpu_agent/errors.py: {error.__name__} has no docstring")
+        rows.append(StatusRow(code.name, code.value[0], inspect.cleandoc(doc), error.__name__))
+    rows += [
+        StatusRow(code.name, code.value[0], meaning, "")
+        for code, meaning in status.OTHER_CODES.items()
+    ]
     return sorted(rows, key=lambda row: row.number)
 
 

@@ -63,7 +63,7 @@ def test_completion_codes_use_the_same_numbers():
 
 
 def test_docs_api_md_lists_every_code_the_agent_answers(monkeypatch):
-    """gen_api_docs.py reads status.py with ast: its table must match the live mapping."""
+    """gen_api_docs.py writes its table from the live mapping: every code, none more."""
     path = Path(__file__).resolve().parents[2] / "scripts" / "gen_api_docs.py"
     spec = importlib.util.spec_from_file_location("gen_api_docs", path)
     assert spec is not None
