@@ -53,13 +53,8 @@ def _paging_fields(request: Message) -> tuple[int, str]:
     fields = request.DESCRIPTOR.fields_by_name
     if any(name not in fields for name in _PAGING_FIELDS):
         raise TypeError(f"{request.DESCRIPTOR.full_name} has no page_size and page_token")
-    size, token = 0, ""
-    for field, value in request.ListFields():
-        if field.name == "page_size":
-            size = int(value)
-        elif field.name == "page_token":
-            token = str(value)
-    return size, token
+    # any List request: its class is not known here
+    return int(getattr(request, "page_size")), str(getattr(request, "page_token"))  # noqa: B009
 
 
 def _binding(request: Message) -> bytes:
