@@ -18,8 +18,10 @@ time (rebinding) pass the check with an allowed address and be dialled at anothe
 A lookup runs on a daemon thread of its own, at most `RESOLVERS` at once and for
 `RESOLVE_TIMEOUT` seconds at most: a name whose DNS never answers cannot hold up the
 threads the agent's other work runs on (asyncio's default executor), and the agent
-can exit while a lookup still hangs. A numeric address needs no lookup. `on_own_thread`
-is that mechanism, also used to wait for a verbs host's neighbour entry (neighbour.py).
+can exit while a lookup still hangs. Of those places a tenant holds at most
+`PER_TENANT`, so a tenant naming hosts that never answer cannot keep the others from
+theirs. A numeric address needs no lookup. `on_own_thread` and `Slots` are that
+mechanism, also used to wait for a verbs host's neighbour entry (neighbour.py).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import ipaddress
 import socket
 import threading
 import urllib.parse
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
+from dpu_agent import auth
 from dpu_agent.errors import PermissionDenied, Unavailable
 
 if TYPE_CHECKING:
@@ -41,8 +45,8 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 AddrInfo = tuple[int, int, int, Any]  # family, type, proto, sockaddr: what to dial
 
 RESOLVE_TIMEOUT: Final = 2.0
-RESOLVERS: Final = 4
-_resolvers = threading.BoundedSemaphore(RESOLVERS)
+RESOLVERS: Final = 8  # host names looked up at once, by all tenants
+PER_TENANT: Final = 2  # of those, by one tenant
 T = TypeVar("T")
 # IPv4 networks whose addresses no RC queue pair can be aimed at: "this network" (the
 # unspecified address among it), loopback (RDMA does not run on lo), multicast (an RC
@@ -101,6 +105,55 @@ def parse_allow(text: str) -> Allow:
     if not peer and not networks:
         raise ValueError("names nothing: use 'peer', 'any' or networks")
     return Allow(peer, tuple(networks))
+
+
+class Slots:
+    """At most `total` places taken at once, at most `per_tenant` of them by one tenant.
+
+    The tenant is the caller of the RPC being served ("" outside one). Thread-safe: a
+    place is given back by the thread that used it.
+    """
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        self.total = total
+        self.per_tenant = per_tenant
+        self._held: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    @property
+    def taken(self) -> int:
+        """How many places are held now."""
+        with self._lock:
+            return self._held.total()
+
+    def take(self, tenant: str) -> str | None:
+        """Take a place for `tenant`: None when it got one, else what is all held.
+
+        That is the tenant's `per_tenant` places or all `total`, for the error to name.
+        """
+        with self._lock:
+            if self._held[tenant] >= self.per_tenant:
+                return f"{self.per_tenant} of this tenant's"
+            if self._held.total() >= self.total:
+                return f"{self.total}"
+            self._held[tenant] += 1
+            return None
+
+    def give(self, tenant: str) -> None:
+        """Give back a place `take` gave `tenant`."""
+        with self._lock:
+            self._held[tenant] -= 1
+            if self._held[tenant] <= 0:
+                del self._held[tenant]
+
+
+def caller_tenant() -> str:
+    """The tenant of the RPC being served, "" outside one."""
+    found = auth.principal.get()
+    return "" if found is None else found.tenant
+
+
+_resolvers = Slots(RESOLVERS, PER_TENANT)
 
 
 def allowed(
@@ -169,35 +222,37 @@ async def _addresses(host: str, port: int) -> list[tuple[Any, ...]]:
 
 async def _lookup(host: str, port: int) -> list[tuple[Any, ...]]:
     """Look `host` up on a daemon thread of its own, given up after RESOLVE_TIMEOUT."""
-    busy = Unavailable(
-        f"the agent is resolving {RESOLVERS} host names already: "
-        "give host_endpoint.tcp.host as an address"
-    )
     return await on_own_thread(
         lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM),
         _resolvers,
         RESOLVE_TIMEOUT,
-        busy,
+        lambda held: Unavailable(
+            f"the agent is resolving {held} host names already: "
+            "give host_endpoint.tcp.host as an address"
+        ),
         "dpu-resolve",
     )
 
 
 async def on_own_thread(
     work: Callable[[], T],
-    slots: threading.BoundedSemaphore,
+    slots: Slots,
     timeout: float,  # noqa: ASYNC109 - the thread outlives a cancelled wait; it is its bound
-    busy: Exception,
+    busy: Callable[[str], Exception],
     name: str,
 ) -> T:
-    """`work()` on a new daemon thread, holding one of `slots` while it runs.
+    """`work()` on a new daemon thread, holding a place of `slots` while it runs.
 
-    Raises `busy` at once when no slot is free, TimeoutError after `timeout` seconds
-    (the thread runs on, and gives its slot back when `work` returns), or what `work`
-    raised. Nothing of asyncio's default executor is used, so work that hangs holds
-    only its own slot, and the agent can exit while it still runs.
+    The place is the caller's tenant's. Raises `busy(what is held)` at once when the
+    tenant may not take one, TimeoutError after `timeout` seconds (the thread runs on,
+    and gives its place back when `work` returns), or what `work` raised. Nothing of
+    asyncio's default executor is used, so work that hangs holds only its own place,
+    and the agent can exit while it still runs.
     """
-    if not slots.acquire(blocking=False):
-        raise busy
+    tenant = caller_tenant()
+    held = slots.take(tenant)
+    if held is not None:
+        raise busy(held)
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
@@ -217,14 +272,14 @@ async def on_own_thread(
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting call
             error = exc
         finally:
-            slots.release()
+            slots.give(tenant)
         with contextlib.suppress(RuntimeError):  # the loop closed: the agent is exiting
             loop.call_soon_threadsafe(settle, outcome, error)
 
     try:
         threading.Thread(target=run, name=name, daemon=True).start()
     except BaseException:
-        slots.release()
+        slots.give(tenant)
         raise
     async with asyncio.timeout(timeout):
         return await future

@@ -16,8 +16,8 @@ So `resolve` does that part first, where waiting costs nothing (data-plane.md DP
 - otherwise one empty UDP datagram from the agent's GID's address (bound to the
   netdev, as the RDMA core routes) to the host's discard port makes the kernel send
   its ARP request, and a daemon thread of its own polls the entry until it is valid,
-  `TIMEOUT` seconds at most, `RESOLVERS` such threads at once (`on_own_thread`, as
-  host names are resolved for tcp).
+  `TIMEOUT` seconds at most, `RESOLVERS` such threads at once and `PER_TENANT` of
+  them for one tenant (`on_own_thread`, as host names are resolved for tcp).
 
 Only then is the queue pair programmed: the RDMA core finds the entry valid and
 `ibv_modify_qp` returns at once. An address that does not resolve raises
@@ -32,11 +32,10 @@ import ipaddress
 import logging
 import socket
 import struct
-import threading
 import time
 from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 
-from dpu_agent.dataplane.hostpolicy import on_own_thread
+from dpu_agent.dataplane.hostpolicy import Slots, on_own_thread
 from dpu_agent.errors import Unavailable
 from dpu_agent.network import netlink as nl
 
@@ -46,13 +45,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TIMEOUT: Final = 2.0  # seconds an ARP answer may take: the first request and one resend
-RESOLVERS: Final = 4  # hosts waited for at once; one more is refused at once
+RESOLVERS: Final = 8  # hosts waited for at once; one more is refused at once
+PER_TENANT: Final = 2  # of those, for one tenant
 POLL_FIRST: Final = 0.001  # seconds between looks at the entry, doubling up to
 POLL_MAX: Final = 0.05
 DISCARD_PORT: Final = 9  # what the soliciting datagram is sent to (RFC 863)
 NETLINK_TIMEOUT: Final = 1.0  # the kernel answers these requests at once; a bound anyway
 RECV_SIZE: Final = 1 << 16
-_resolvers = threading.BoundedSemaphore(RESOLVERS)
+_resolvers = Slots(RESOLVERS, PER_TENANT)
 
 RTM_GETROUTE: Final = 26
 RTM_GETNEIGH: Final = 30
@@ -260,9 +260,11 @@ async def resolve(
         finally:
             slow.close()
 
-    busy = Unavailable(
-        f"the agent is resolving the addresses of {RESOLVERS} verbs hosts already: try again"
-    )
+    def busy(held: str) -> Unavailable:
+        return Unavailable(
+            f"the agent is resolving the addresses of {held} verbs hosts already: try again"
+        )
+
     try:
         await on_own_thread(wait, _resolvers, TIMEOUT + 1.0, busy, "dpu-neighbour")
     except (TimeoutError, OSError, nl.KernelError) as exc:

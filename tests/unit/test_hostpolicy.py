@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from dpu_agent import auth
 from dpu_agent.dataplane import hostpolicy, transports
 from dpu_agent.dataplane.hostpolicy import parse_allow, resolve_allowed
 from dpu_agent.errors import PermissionDenied, Unavailable
@@ -61,10 +62,17 @@ async def test_every_address_a_name_gives_is_checked(monkeypatch):
         await resolve_allowed("two.test", 4000, PEER, ALLOW)
 
 
+async def _as(tenant: str, host: str) -> object:
+    """`resolve_allowed(host)` in a call of `tenant`'s (its own task, its own context)."""
+    auth.principal.set(auth.Principal(tenant))
+    return await resolve_allowed(host, 4000, PEER, ALLOW)
+
+
 @pytest.mark.asyncio
 async def test_a_name_whose_dns_hangs_cannot_hold_up_the_agents_other_threads(monkeypatch):
     """The lookups ran on asyncio's default executor without a timeout: a tenant naming
-    hosts its DNS never answers took every thread that storage calls run on."""
+    hosts its DNS never answers took every thread that storage calls run on. Then one
+    tenant could take every lookup place, and the others' names were refused."""
     monkeypatch.setattr(hostpolicy, "RESOLVE_TIMEOUT", 0.2)
     hang = threading.Event()
     finished = []
@@ -79,16 +87,21 @@ async def test_a_name_whose_dns_hangs_cannot_hold_up_the_agents_other_threads(mo
         raise socket.gaierror(socket.EAI_NONAME, "no such name")
 
     monkeypatch.setattr(socket, "getaddrinfo", never)
+    per_tenant, total = hostpolicy.PER_TENANT, hostpolicy.RESOLVERS
     try:
-        lookups = [
-            resolve_allowed(f"n{i}.slow.test", 4000, PEER, ALLOW)
-            for i in range(hostpolicy.RESOLVERS)
-        ]
-        results = await asyncio.gather(*lookups, return_exceptions=True)
+        first = [_as("a", f"n{i}.slow.test") for i in range(per_tenant)]
+        results = await asyncio.gather(*first, return_exceptions=True)
         assert all(isinstance(r, PermissionDenied) for r in results), results
         assert finished == []  # given up after RESOLVE_TIMEOUT, the lookups still hanging
-        with pytest.raises(Unavailable, match="resolving 4 host names already"):
-            await resolve_allowed("more.slow.test", 4000, PEER, ALLOW)  # the pool is bounded
+        with pytest.raises(Unavailable, match=f"resolving {per_tenant} of this tenant's host"):
+            await _as("a", "more.slow.test")  # the tenant's places are bounded
+        # another tenant's name is looked up while tenant a's lookups hang
+        address = await asyncio.create_task(_as("b", "back.test"))
+        assert address[3] == ("127.0.0.1", 4000)  # type: ignore[index]
+        others = [_as(f"t{i // per_tenant}", f"m{i}.slow.test") for i in range(total - per_tenant)]
+        await asyncio.gather(*others, return_exceptions=True)
+        with pytest.raises(Unavailable, match=f"resolving {total} host names already"):
+            await _as("z", "more.slow.test")  # and so is the whole pool
         # the default executor (storage calls, ...) is free all the while
         assert await asyncio.wait_for(asyncio.to_thread(lambda: 42), 30) == 42
         # an address needs no lookup
@@ -96,7 +109,7 @@ async def test_a_name_whose_dns_hangs_cannot_hold_up_the_agents_other_threads(mo
         assert address[3] == ("127.0.0.1", 4000)
     finally:
         hang.set()
-    while hostpolicy._resolvers._value < hostpolicy.RESOLVERS:  # noqa: ASYNC110 - threads
+    while hostpolicy._resolvers.taken:  # noqa: ASYNC110 - threads
         await asyncio.sleep(0.01)  # the hung lookups end and give their places back
     monkeypatch.setattr(hostpolicy, "RESOLVE_TIMEOUT", 30.0)  # slow under qemu-user (arm64)
     assert (await resolve_allowed("back.test", 4000, PEER, ALLOW))[3] == ("127.0.0.1", 4000)

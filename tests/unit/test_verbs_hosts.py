@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from dpu_agent import config
+from dpu_agent import auth, config
 from dpu_agent.dataplane import hostpolicy, neighbour, transports
 from dpu_agent.dataplane.hostpolicy import allowed, gid_address, parse_allow
 from dpu_agent.dataplane.neighbour import Hop, Unresolved
@@ -290,19 +290,30 @@ async def test_every_way_to_miss_the_host_reads_the_same():
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("fakes")
 async def test_waits_for_arp_are_bounded():
-    """At most RESOLVERS hosts are waited for; one more is refused at once, saying so,
-    while a host whose address is known still connects."""
-    silent = [ipaddress.IPv4Address(f"192.168.77.{100 + i}") for i in range(neighbour.RESOLVERS)]
-    waits = [asyncio.ensure_future(open_verbs(ip)) for ip in silent]
-    while neighbour._resolvers._value:  # noqa: ASYNC110 - threads take the slots
+    """At most RESOLVERS hosts are waited for, PER_TENANT of them for one tenant; one
+    more is refused at once, saying so, while a host whose address is known still
+    connects."""
+    total, per_tenant = neighbour.RESOLVERS, neighbour.PER_TENANT
+
+    async def as_tenant(tenant: str, ip: ipaddress.IPv4Address) -> object:
+        auth.principal.set(auth.Principal(tenant))
+        return await open_verbs(ip)
+
+    silent = [ipaddress.IPv4Address(f"192.168.77.{100 + i}") for i in range(total)]
+    waits = [
+        asyncio.ensure_future(as_tenant(f"t{i // per_tenant}", ip)) for i, ip in enumerate(silent)
+    ]
+    while neighbour._resolvers.taken < total:  # noqa: ASYNC110 - threads take the slots
         await asyncio.sleep(0.001)
-    with pytest.raises(Unavailable, match="resolving the addresses of 4 verbs hosts"):
-        await open_verbs(ipaddress.IPv4Address("192.168.77.200"))
+    with pytest.raises(Unavailable, match=f"resolving the addresses of {total} verbs hosts"):
+        await as_tenant("z", ipaddress.IPv4Address("192.168.77.200"))
+    with pytest.raises(Unavailable, match=f"addresses of {per_tenant} of this tenant's verbs"):
+        await as_tenant("t0", ipaddress.IPv4Address("192.168.77.201"))
     FakeKernel.valid_after[HOST_IP] = 0
     assert (await open_verbs(HOST_IP)).connected
     results = await asyncio.gather(*waits, return_exceptions=True)
     assert all(isinstance(r, TransportError) for r in results), results
-    while neighbour._resolvers._value < neighbour.RESOLVERS:  # noqa: ASYNC110
+    while neighbour._resolvers.taken:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
 
 
