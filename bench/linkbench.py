@@ -16,7 +16,8 @@ with a fixed number of operations in flight.
 - `pair.echo(count, size)`: the host sends a capsule, the agent SENDs it back from its
   receive callback; the host's round-trip times (the host side's polling included);
 - `pair.raw_write_floor(...)`: verbs only, the link's queue pair without the reactor:
-  post a WRITE and poll its completion from plain Python.
+  post a WRITE and poll its completion from plain Python; `pair.raw_write_stream(...)`
+  the same with several WRITEs in flight.
 
 The reactor's polling mode is `pair.reactor.spin` (the agent's [dataplane] poll_mode
 maps to it: adaptive = poll_spin, busy = -1, event = 0), and may change between runs.
@@ -425,6 +426,36 @@ class LinkPair:
             done[0] = 0
             samples.append(time.perf_counter_ns() - start)
         return samples
+
+    def raw_write_stream(self, length: int, count: int, in_flight: int) -> float:
+        """Seconds for `count` WRITEs of `length`, `in_flight` at once, on the bare QP.
+
+        As `raw_write_floor`, but a stream: each slot's staging buffer to its own host
+        region, a WRITE posted for each completion taken. Call `detach()` first.
+        """
+        qp: Any = self.link._qp  # type: ignore[attr-defined]  # noqa: SLF001 - the bare queue pair
+        slots = min(in_flight, len(self.pump.staging), len(self.pump.remote))
+        done = [0]
+
+        class Sink:
+            def on_capsule(self, _data: memoryview) -> None:
+                pass
+
+            def on_done(self, _token: int, error: TransportError | None) -> None:
+                if error is not None:
+                    raise error
+                done[0] += 1
+
+        sink = Sink()
+        posted = 0
+        start = time.perf_counter()
+        while done[0] < count:
+            while posted < count and posted - done[0] < slots:
+                slot = posted % slots
+                qp.post_rdma("write", self.pump.staging[slot], 0, length, self.pump.remote[slot], 1)
+                posted += 1
+            qp.poll(sink, slots)
+        return time.perf_counter() - start
 
     def _read(self) -> dict[str, Any]:
         assert self._proc is not None  # noqa: S101 - open
