@@ -22,10 +22,12 @@ A broker that requires log-ins (deploy/mosquitto/mosquitto-secure.conf) takes
 its own tenant's completions and the agents' status, whatever filter it subscribes
 to. A refused log-in raises `PermissionDeniedError`.
 
-Completions are QoS 1: none is lost while the subscriber stays connected, and one
-may arrive twice if the agent resent it after a reconnection
-(`event.job` identifies it). If the broker connection is lost, every iterator raises
-`UnavailableError`; enter the subscriber again to reconnect.
+Completions are QoS 1: none is lost while the subscriber stays connected, and a run
+of them may arrive twice if the agent resent them after a reconnection. Deduplicate on
+`(event.job, event.completion.end_ns)`: the job's name alone is not enough, because a
+host may reuse a capsule job id once its job has finished (docs/events.md, "Delivery").
+If the broker connection is lost, every iterator raises `UnavailableError`; enter the
+subscriber again to reconnect.
 """
 
 from __future__ import annotations
