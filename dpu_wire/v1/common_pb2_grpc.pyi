@@ -18,6 +18,13 @@ Conventions (Google API style, https://google.aip.dev):
 - A field marked "Output only" is set by the agent; in a request it is ignored,
   not refused (a Volume's tenant, name or stats in CreateVolume change nothing).
 - Counters and sizes are 64-bit unsigned.
+- Every request gets the same generic checks before its service sees it: a
+  string longer than 1,024 characters, a resource name longer than 256, an id
+  longer than 63, an enum value the enum does not define, or a message nested
+  deeper than 16 is INVALID_ARGUMENT; a repeated field of more than 1,024 items, or
+  more than 4,096 items in all of a request's repeated fields, is
+  RESOURCE_EXHAUSTED (as gRPC answers a message over its size limit: requests are
+  at most 1 MiB).
 - List calls take page_size (0 = 100 items, more than 500 taken as 500, negative
   INVALID_ARGUMENT) and an opaque page_token; they return next_page_token ("" on
   the last page). A page token continues only the call that returned it: the same
