@@ -687,7 +687,9 @@ class ListFlowRulesRequest(_message.Message):
     page_token: _builtins.str
     """A previous page's next_page_token, with the same ingress_port."""
     ingress_port: _builtins.str
-    """Only rules on this port ("ports/{port}"); empty for all."""
+    """Only rules on this port ("ports/{port}"); empty for all. A port that does not
+    exist, or that the caller may not name, is no error: the list is then empty.
+    """
     def __init__(
         self,
         *,
