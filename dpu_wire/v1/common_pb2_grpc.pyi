@@ -11,20 +11,32 @@ Conventions (Google API style, https://google.aip.dev):
   without leading zeros ("jobs/42", never "jobs/042"), so a resource has one name.
 - A resource belongs to the tenant that made it, and another tenant's answers
   NOT_FOUND exactly as a missing one does. The ids a caller chooses (volumes,
-  snapshots, flow rules, functions) are one namespace per agent, as bucket names
-  are in S3: a create with an id another tenant holds answers ALREADY_EXISTS,
-  which tells that the id is taken and nothing else.
+  snapshots, flow rules, functions) are one namespace per agent and kind, as
+  bucket names are in S3: a create with an id another tenant holds answers
+  ALREADY_EXISTS, which tells that the id is taken and nothing else. Kinds do not
+  share ids: a volume and a snapshot may both be "x".
+- A field marked "Output only" is set by the agent; in a request it is ignored,
+  not refused (a Volume's tenant, name or stats in CreateVolume change nothing).
 - Counters and sizes are 64-bit unsigned.
+- Every request gets the same generic checks before its service sees it: a
+  string longer than 1,024 characters, a resource name longer than 256, an id
+  longer than 63, an enum value the enum does not define, or a message nested
+  deeper than 16 is INVALID_ARGUMENT; a repeated field of more than 1,024 items, or
+  more than 4,096 items in all of a request's repeated fields, is
+  RESOURCE_EXHAUSTED (as gRPC answers a message over its size limit: requests are
+  at most 1 MiB).
 - List calls take page_size (0 = 100 items, more than 500 taken as 500, negative
   INVALID_ARGUMENT) and an opaque page_token; they return next_page_token ("" on
   the last page). A page token continues only the call that returned it: the same
   method with the same parent and filters (page_size may change from page to
   page). A token from another List method, another parent or with other filters
   answers INVALID_ARGUMENT, as does one this agent did not issue.
-- Every mutating call carries request_id, an idempotency key (a UUID is
+- Every mutating call has a request_id field, an idempotency key (a UUID is
   recommended) of at most 128 characters (a longer one is INVALID_ARGUMENT): a
   retry with the same request_id returns the first result instead of acting
-  twice. A key belongs to one tenant and one method, and to one request: the
+  twice. It is optional: an empty request_id is no key, and every such call acts.
+  It is this field, not the x-request-id metadata (which only labels the call in
+  the agent's logs and events). A key belongs to one tenant and one method, and to one request: the
   same key with a different request (any field) is INVALID_ARGUMENT and changes
   nothing. The agent keeps a tenant's successful replies for 5 minutes (at most
   1,024 and 1 MiB of them per tenant, the oldest forgotten first); a call that

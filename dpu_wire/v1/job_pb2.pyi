@@ -149,7 +149,13 @@ Global___Crc32cJob: _TypeAlias = Crc32cJob  # noqa: Y015
 
 @_typing.final
 class VolumeWriteJob(_message.Message):
-    """Host memory → volume: the agent READs the region and stores it (block aligned)."""
+    """Host memory → volume: the agent READs the region and stores it (block aligned).
+    The volume jobs' ranges are checked when the job runs, not at admission: an
+    offset or length that is not a multiple of the block size, a length of 0, or a
+    range past the volume's end makes SubmitJob answer OK and the job end FAILED with
+    status 3 (INVALID_ARGUMENT), as a capsule's would. A destination or source of
+    length 0 means to the region's end (RegionRef), so its range is that long.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -385,7 +391,7 @@ Global___DecryptJob: _TypeAlias = DecryptJob  # noqa: Y015
 
 @_typing.final
 class VolumeTrimJob(_message.Message):
-    """Forget a block-aligned range; it reads as zeros afterwards."""
+    """Forget a block-aligned range (length > 0); it reads as zeros afterwards."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -579,13 +579,15 @@ class FlowRule(_message.Message):
     name: _builtins.str
     """Resource name "flowRules/{rule}"."""
     priority: _builtins.int
-    """Order among the rules on the port: lower first, 1..65535 (tc's pref); unique
-    on the port. 1..999 are the admin role's: another caller's rule takes
+    """Order among the rules on the port: lower first, 1..65535 (tc's pref; 0 is
+    INVALID_ARGUMENT); unique on the port: a priority another rule on the port has
+    is ALREADY_EXISTS (naming that rule). 1..999 are the admin role's: another caller's rule takes
     1000..65535 (PERMISSION_DENIED below), so an admin's rule there comes first.
     """
     ingress_port: _builtins.str
     """Port the rule matches on: "ports/{port}"."""
     offload: Global___OffloadPolicy.ValueType
+    """UNSPECIFIED is stored and answered as OFFLOAD_POLICY_ANY."""
     in_hardware: _builtins.bool
     """Whether the rule is in hardware. Output only."""
     tenant: _builtins.str
@@ -593,7 +595,11 @@ class FlowRule(_message.Message):
     @_builtins.property
     def match(self) -> Global___FlowMatch: ...
     @_builtins.property
-    def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___FlowAction]: ...
+    def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___FlowAction]:
+        """At least one (count alone to only count); none is INVALID_ARGUMENT, as are
+        contradictions such as forward and drop in one rule.
+        """
+
     @_builtins.property
     def counters(self) -> Global___FlowCounters:
         """Output only."""
@@ -681,7 +687,9 @@ class ListFlowRulesRequest(_message.Message):
     page_token: _builtins.str
     """A previous page's next_page_token, with the same ingress_port."""
     ingress_port: _builtins.str
-    """Only rules on this port ("ports/{port}"); empty for all."""
+    """Only rules on this port ("ports/{port}"); empty for all. A port that does not
+    exist, or that the caller may not name, is no error: the list is then empty.
+    """
     def __init__(
         self,
         *,
@@ -798,7 +806,10 @@ class ApplyFlowRulesRequest(_message.Message):
     VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     validate_only: _builtins.bool
-    """Check every change (ids, ports, priorities, quota), change nothing."""
+    """Check every change (ids, ports, priorities, quota), change nothing. The answer
+    is the one the same request would get without validate_only (the rules it would
+    create, update and delete), or the error it would get.
+    """
     request_id: _builtins.str
     @_builtins.property
     def creates(self) -> _containers.RepeatedCompositeFieldContainer[Global___FlowRule]:

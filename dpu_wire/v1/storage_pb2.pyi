@@ -129,7 +129,11 @@ class VolumeStats(_message.Message):
     """
     @_builtins.property
     def latency_bounds_us(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Latency histogram: bucket upper bounds in microseconds and counts."""
+        """Latency histogram: bucket upper bounds in microseconds (inclusive, ascending)
+        and, at the same index, the reads and writes whose latency fell in that bucket
+        (not cumulative). The last bound is 2^64-1 (no bound), so both lists have the
+        same length and every operation is counted once.
+        """
 
     @_builtins.property
     def latency_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -237,13 +241,19 @@ class Volume(_message.Message):
     @_builtins.property
     def data_services(self) -> Global___DataServices: ...
     @_builtins.property
-    def times(self) -> _common_pb2.ResourceTimes: ...
+    def times(self) -> _common_pb2.ResourceTimes:
+        """Output only."""
+
     @_builtins.property
     def stats(self) -> Global___VolumeStats:
         """Output only."""
 
     @_builtins.property
-    def qos(self) -> Global___QosLimits: ...
+    def qos(self) -> Global___QosLimits:
+        """Set at creation (a clone's too: it does not take its snapshot's), changed with
+        UpdateVolume.
+        """
+
     def __init__(
         self,
         *,
@@ -480,7 +490,10 @@ class Snapshot(_message.Message):
     name: _builtins.str
     """Resource name "snapshots/{snapshot}"."""
     source_volume: _builtins.str
-    """"volumes/{volume}": the volume it was taken of (required on create)."""
+    """"volumes/{volume}": the volume it was taken of (required on create). Kept after
+    that volume is deleted, so it may name a volume that no longer exists, or a later
+    volume (anyone's) that took the same id.
+    """
     size_bytes: _builtins.int
     """Output only."""
     block_size: _builtins.int
@@ -582,7 +595,10 @@ class ListSnapshotsRequest(_message.Message):
     page_token: _builtins.str
     """A previous page's next_page_token, with the same source_volume."""
     source_volume: _builtins.str
-    """Only snapshots of this volume ("volumes/{volume}"); empty for all."""
+    """Only snapshots of this volume ("volumes/{volume}"); empty for all. A volume
+    that does not exist (deleted, or never made) or is another tenant's is no error:
+    the list is then the caller's snapshots that name it, often none.
+    """
     def __init__(
         self,
         *,

@@ -96,7 +96,11 @@ class StorageServiceServicer:
         1 TiB ("over the store's limit"), or an encryption_key that is not 64 bytes, has
         two equal halves, or is given for a volume without encryption. These are checked
         before any quota. RESOURCE_EXHAUSTED past the tenant's quota: [quota]
-        max_volumes (1024 by default; a clone counts), or max_volume_bytes.
+        max_volumes (1024 by default; a clone counts), or max_volume_bytes; and
+        RESOURCE_EXHAUSTED ("does not fit") when size_bytes is larger than the store's
+        free space at that moment (volumes are thin: nothing is reserved, but one volume
+        may not be larger than the room left). A clone of a snapshot 64 maps deep
+        (docs/architecture.md, the block store) is FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,7 +131,8 @@ class StorageServiceServicer:
     def ResizeVolume(self, request, context):
         """Grows or shrinks a volume; shrinking below written data needs force
         (FAILED_PRECONDITION without it). The new size follows Volume.size_bytes's rules
-        (INVALID_ARGUMENT otherwise).
+        (INVALID_ARGUMENT otherwise). A growth larger than the store's free space at that
+        moment is RESOURCE_EXHAUSTED, as in CreateVolume.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,6 +153,8 @@ class StorageServiceServicer:
         is then crash-consistent (what the disk held at that instant).
         RESOURCE_EXHAUSTED past the tenant's quota: [quota] max_snapshots (1024 by
         default), or max_volume_bytes (the snapshot takes over the bytes the volume holds).
+        A volume has at most 63 snapshots in its chain (those taken of it, and for a
+        clone those of the volumes it came from); one more is FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

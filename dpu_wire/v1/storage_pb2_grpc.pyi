@@ -48,7 +48,11 @@ class StorageServiceStub:
     1 TiB ("over the store's limit"), or an encryption_key that is not 64 bytes, has
     two equal halves, or is given for a volume without encryption. These are checked
     before any quota. RESOURCE_EXHAUSTED past the tenant's quota: [quota]
-    max_volumes (1024 by default; a clone counts), or max_volume_bytes.
+    max_volumes (1024 by default; a clone counts), or max_volume_bytes; and
+    RESOURCE_EXHAUSTED ("does not fit") when size_bytes is larger than the store's
+    free space at that moment (volumes are thin: nothing is reserved, but one volume
+    may not be larger than the room left). A clone of a snapshot 64 maps deep
+    (docs/architecture.md, the block store) is FAILED_PRECONDITION.
     """
     GetVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetVolumeRequest, _storage_pb2.Volume]
     ListVolumes: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ListVolumesRequest, _storage_pb2.ListVolumesResponse]
@@ -61,7 +65,8 @@ class StorageServiceStub:
     ResizeVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ResizeVolumeRequest, _storage_pb2.Volume]
     """Grows or shrinks a volume; shrinking below written data needs force
     (FAILED_PRECONDITION without it). The new size follows Volume.size_bytes's rules
-    (INVALID_ARGUMENT otherwise).
+    (INVALID_ARGUMENT otherwise). A growth larger than the store's free space at that
+    moment is RESOURCE_EXHAUSTED, as in CreateVolume.
     """
     DeleteVolume: _grpc.UnaryUnaryMultiCallable[_storage_pb2.DeleteVolumeRequest, _storage_pb2.DeleteVolumeResponse]
     """Deletes a volume and frees what nothing else uses. FAILED_PRECONDITION while a
@@ -74,6 +79,8 @@ class StorageServiceStub:
     is then crash-consistent (what the disk held at that instant).
     RESOURCE_EXHAUSTED past the tenant's quota: [quota] max_snapshots (1024 by
     default), or max_volume_bytes (the snapshot takes over the bytes the volume holds).
+    A volume has at most 63 snapshots in its chain (those taken of it, and for a
+    clone those of the volumes it came from); one more is FAILED_PRECONDITION.
     """
     GetSnapshot: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetSnapshotRequest, _storage_pb2.Snapshot]
     ListSnapshots: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ListSnapshotsRequest, _storage_pb2.ListSnapshotsResponse]
@@ -92,7 +99,11 @@ class StorageServiceAsyncStub(StorageServiceStub):
     1 TiB ("over the store's limit"), or an encryption_key that is not 64 bytes, has
     two equal halves, or is given for a volume without encryption. These are checked
     before any quota. RESOURCE_EXHAUSTED past the tenant's quota: [quota]
-    max_volumes (1024 by default; a clone counts), or max_volume_bytes.
+    max_volumes (1024 by default; a clone counts), or max_volume_bytes; and
+    RESOURCE_EXHAUSTED ("does not fit") when size_bytes is larger than the store's
+    free space at that moment (volumes are thin: nothing is reserved, but one volume
+    may not be larger than the room left). A clone of a snapshot 64 maps deep
+    (docs/architecture.md, the block store) is FAILED_PRECONDITION.
     """
     GetVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     ListVolumes: _aio.UnaryUnaryMultiCallable[_storage_pb2.ListVolumesRequest, _storage_pb2.ListVolumesResponse]  # type: ignore[assignment]
@@ -105,7 +116,8 @@ class StorageServiceAsyncStub(StorageServiceStub):
     ResizeVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.ResizeVolumeRequest, _storage_pb2.Volume]  # type: ignore[assignment]
     """Grows or shrinks a volume; shrinking below written data needs force
     (FAILED_PRECONDITION without it). The new size follows Volume.size_bytes's rules
-    (INVALID_ARGUMENT otherwise).
+    (INVALID_ARGUMENT otherwise). A growth larger than the store's free space at that
+    moment is RESOURCE_EXHAUSTED, as in CreateVolume.
     """
     DeleteVolume: _aio.UnaryUnaryMultiCallable[_storage_pb2.DeleteVolumeRequest, _storage_pb2.DeleteVolumeResponse]  # type: ignore[assignment]
     """Deletes a volume and frees what nothing else uses. FAILED_PRECONDITION while a
@@ -118,6 +130,8 @@ class StorageServiceAsyncStub(StorageServiceStub):
     is then crash-consistent (what the disk held at that instant).
     RESOURCE_EXHAUSTED past the tenant's quota: [quota] max_snapshots (1024 by
     default), or max_volume_bytes (the snapshot takes over the bytes the volume holds).
+    A volume has at most 63 snapshots in its chain (those taken of it, and for a
+    clone those of the volumes it came from); one more is FAILED_PRECONDITION.
     """
     GetSnapshot: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetSnapshotRequest, _storage_pb2.Snapshot]  # type: ignore[assignment]
     ListSnapshots: _aio.UnaryUnaryMultiCallable[_storage_pb2.ListSnapshotsRequest, _storage_pb2.ListSnapshotsResponse]  # type: ignore[assignment]
@@ -139,7 +153,11 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         1 TiB ("over the store's limit"), or an encryption_key that is not 64 bytes, has
         two equal halves, or is given for a volume without encryption. These are checked
         before any quota. RESOURCE_EXHAUSTED past the tenant's quota: [quota]
-        max_volumes (1024 by default; a clone counts), or max_volume_bytes.
+        max_volumes (1024 by default; a clone counts), or max_volume_bytes; and
+        RESOURCE_EXHAUSTED ("does not fit") when size_bytes is larger than the store's
+        free space at that moment (volumes are thin: nothing is reserved, but one volume
+        may not be larger than the room left). A clone of a snapshot 64 maps deep
+        (docs/architecture.md, the block store) is FAILED_PRECONDITION.
         """
 
     @_abc_1.abstractmethod
@@ -176,7 +194,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_storage_pb2.Volume, _abc.Awaitable[_storage_pb2.Volume]]:
         """Grows or shrinks a volume; shrinking below written data needs force
         (FAILED_PRECONDITION without it). The new size follows Volume.size_bytes's rules
-        (INVALID_ARGUMENT otherwise).
+        (INVALID_ARGUMENT otherwise). A growth larger than the store's free space at that
+        moment is RESOURCE_EXHAUSTED, as in CreateVolume.
         """
 
     @_abc_1.abstractmethod
@@ -201,6 +220,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         is then crash-consistent (what the disk held at that instant).
         RESOURCE_EXHAUSTED past the tenant's quota: [quota] max_snapshots (1024 by
         default), or max_volume_bytes (the snapshot takes over the bytes the volume holds).
+        A volume has at most 63 snapshots in its chain (those taken of it, and for a
+        clone those of the volumes it came from); one more is FAILED_PRECONDITION.
         """
 
     @_abc_1.abstractmethod

@@ -98,11 +98,15 @@ class Function(_message.Message):
     FAILED_PRECONDITION. Empty: the device's own.
     """
     mtu: _builtins.int
+    """0 = 1500"""
     vlan_id: _builtins.int
     """The function's isolation: vlan_id, rate_limit_bps, trust and spoof_check are
     the operator's to set (an admin's); a tenant that sets or changes one is
     answered PERMISSION_DENIED. A tenant's function has no VLAN, no rate limit, no
     trust, and spoof checking on (so it sends only from its own MAC address).
+    spoof_check false is its unset value: a tenant's create that leaves it false is
+    not refused, and gets spoof checking on all the same; an admin's function has
+    spoof_check as given (off when left unset).
     """
     rate_limit_bps: _builtins.int
     """0 = unlimited"""
@@ -119,7 +123,9 @@ class Function(_message.Message):
     tenant: _builtins.str
     """Output only."""
     @_builtins.property
-    def times(self) -> _common_pb2.ResourceTimes: ...
+    def times(self) -> _common_pb2.ResourceTimes:
+        """Output only."""
+
     def __init__(
         self,
         *,

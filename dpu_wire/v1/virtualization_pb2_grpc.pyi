@@ -35,10 +35,25 @@ class VirtualizationServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> VirtualizationServiceAsyncStub: ...
     CreateFunction: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.CreateFunctionRequest, _virtualization_pb2.Function]
+    """Makes a function and answers once it is READY (there is no long-running
+    operation: on the linux backend this takes about 1 s, more under load). type is
+    required; a block function (virtio-blk, nvme) needs volume, the caller's own
+    (another tenant's is NOT_FOUND), and any other type must leave it empty
+    (INVALID_ARGUMENT otherwise). A create whose id the caller already holds with the
+    very same settings answers that function (OK), with or without request_id; with
+    other settings, or an id another tenant holds, ALREADY_EXISTS.
+    """
     GetFunction: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.GetFunctionRequest, _virtualization_pb2.Function]
     ListFunctions: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.ListFunctionsRequest, _virtualization_pb2.ListFunctionsResponse]
     """The caller's functions (an admin's: every tenant's) in function id order."""
     UpdateFunction: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.UpdateFunctionRequest, _virtualization_pb2.Function]
+    """Changes the fields update_mask names: some of "mac_address", "mtu", "vlan_id",
+    "rate_limit_bps", "trust", "spoof_check". An empty mask, or any other path
+    (type and volume cannot change), is INVALID_ARGUMENT; so is "mac_address",
+    "vlan_id" or "rate_limit_bps" on a block function. A tenant naming one of the
+    isolation fields (vlan_id, rate_limit_bps, trust, spoof_check) is answered
+    PERMISSION_DENIED.
+    """
     DeleteFunction: _grpc.UnaryUnaryMultiCallable[_virtualization_pb2.DeleteFunctionRequest, _virtualization_pb2.DeleteFunctionResponse]
     """Refused with FAILED_PRECONDITION while a flow rule or a mounted volume uses it."""
 
@@ -46,10 +61,25 @@ class VirtualizationServiceStub:
 class VirtualizationServiceAsyncStub(VirtualizationServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateFunction: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.CreateFunctionRequest, _virtualization_pb2.Function]  # type: ignore[assignment]
+    """Makes a function and answers once it is READY (there is no long-running
+    operation: on the linux backend this takes about 1 s, more under load). type is
+    required; a block function (virtio-blk, nvme) needs volume, the caller's own
+    (another tenant's is NOT_FOUND), and any other type must leave it empty
+    (INVALID_ARGUMENT otherwise). A create whose id the caller already holds with the
+    very same settings answers that function (OK), with or without request_id; with
+    other settings, or an id another tenant holds, ALREADY_EXISTS.
+    """
     GetFunction: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.GetFunctionRequest, _virtualization_pb2.Function]  # type: ignore[assignment]
     ListFunctions: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.ListFunctionsRequest, _virtualization_pb2.ListFunctionsResponse]  # type: ignore[assignment]
     """The caller's functions (an admin's: every tenant's) in function id order."""
     UpdateFunction: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.UpdateFunctionRequest, _virtualization_pb2.Function]  # type: ignore[assignment]
+    """Changes the fields update_mask names: some of "mac_address", "mtu", "vlan_id",
+    "rate_limit_bps", "trust", "spoof_check". An empty mask, or any other path
+    (type and volume cannot change), is INVALID_ARGUMENT; so is "mac_address",
+    "vlan_id" or "rate_limit_bps" on a block function. A tenant naming one of the
+    isolation fields (vlan_id, rate_limit_bps, trust, spoof_check) is answered
+    PERMISSION_DENIED.
+    """
     DeleteFunction: _aio.UnaryUnaryMultiCallable[_virtualization_pb2.DeleteFunctionRequest, _virtualization_pb2.DeleteFunctionResponse]  # type: ignore[assignment]
     """Refused with FAILED_PRECONDITION while a flow rule or a mounted volume uses it."""
 
@@ -59,7 +89,15 @@ class VirtualizationServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _virtualization_pb2.CreateFunctionRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_virtualization_pb2.Function, _abc.Awaitable[_virtualization_pb2.Function]]: ...
+    ) -> _typing.Union[_virtualization_pb2.Function, _abc.Awaitable[_virtualization_pb2.Function]]:
+        """Makes a function and answers once it is READY (there is no long-running
+        operation: on the linux backend this takes about 1 s, more under load). type is
+        required; a block function (virtio-blk, nvme) needs volume, the caller's own
+        (another tenant's is NOT_FOUND), and any other type must leave it empty
+        (INVALID_ARGUMENT otherwise). A create whose id the caller already holds with the
+        very same settings answers that function (OK), with or without request_id; with
+        other settings, or an id another tenant holds, ALREADY_EXISTS.
+        """
 
     @_abc_1.abstractmethod
     def GetFunction(
@@ -81,7 +119,14 @@ class VirtualizationServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _virtualization_pb2.UpdateFunctionRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_virtualization_pb2.Function, _abc.Awaitable[_virtualization_pb2.Function]]: ...
+    ) -> _typing.Union[_virtualization_pb2.Function, _abc.Awaitable[_virtualization_pb2.Function]]:
+        """Changes the fields update_mask names: some of "mac_address", "mtu", "vlan_id",
+        "rate_limit_bps", "trust", "spoof_check". An empty mask, or any other path
+        (type and volume cannot change), is INVALID_ARGUMENT; so is "mac_address",
+        "vlan_id" or "rate_limit_bps" on a block function. A tenant naming one of the
+        isolation fields (vlan_id, rate_limit_bps, trust, spoof_check) is answered
+        PERMISSION_DENIED.
+        """
 
     @_abc_1.abstractmethod
     def DeleteFunction(
