@@ -581,8 +581,9 @@ class FlowRule(_message.Message):
     priority: _builtins.int
     """Order among the rules on the port: lower first, 1..65535 (tc's pref; 0 is
     INVALID_ARGUMENT); unique on the port: a priority another rule on the port has
-    is ALREADY_EXISTS (naming that rule). 1..999 are the admin role's: another caller's rule takes
-    1000..65535 (PERMISSION_DENIED below), so an admin's rule there comes first.
+    is ALREADY_EXISTS (naming that rule). 1..999 are the admin role's: another
+    caller's rule takes 1000..65535 (PERMISSION_DENIED below), so an admin's rule
+    there comes first.
     """
     ingress_port: _builtins.str
     """Port the rule matches on: "ports/{port}"."""
