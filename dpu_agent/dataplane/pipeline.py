@@ -1041,6 +1041,9 @@ class Pipeline(LinkSink):
 
     def _retain(self, job: JobRecord) -> None:
         retained = self.retained
+        # A job id used again: its record moves to the end (assigning would keep the
+        # first job's place, and the latest job would be the next one forgotten).
+        retained.pop(job.job_id, None)
         retained[job.job_id] = job
         while len(retained) > self._retained_max:
             old_id, old = retained.popitem(last=False)
