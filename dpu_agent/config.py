@@ -42,7 +42,8 @@ Example file (every key optional):
                                   # own address ("peer"), and/or networks ("10.0.0.0/8")
     verbs_allow = "any"           # which host GIDs (::ffff:a.b.c.d) the verbs data plane
                                   # may connect to: any, peer, and/or networks
-    op_timeout = 30.0             # seconds a tcp host may leave a READ/WRITE unanswered
+    op_timeout = 30.0             # seconds a tcp host may leave a READ/WRITE unanswered,
+                                  # or read none of the agent's waiting frames
     inline_max = 4096             # the largest job source a SUBMIT may carry inline
                                   # (0-16384; 0 = none; verbs: each RECV buffer is then
                                   # 80 + inline_max bytes)

@@ -182,6 +182,8 @@ class FrameStream:
         self._tx_callbacks: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
         self._queued = 0  # bytes queued ever
         self._sent = 0  # bytes sent ever
+        # since when queued bytes wait with the socket taking none (None: none wait)
+        self.stuck_since: float | None = None
         self.closed = False
 
     # -- receive
@@ -383,13 +385,19 @@ class FrameStream:
         return len(self._tx)
 
     def flush(self) -> bool:
-        """Write what the socket takes now; True when nothing is left queued."""
+        """Write what the socket takes now; True when nothing is left queued.
+
+        Keeps `stuck_since`: when the socket last took bytes while more stayed queued,
+        or first took none (None once nothing is queued).
+        """
         tx = self._tx
         while tx:
             batch, size = self._next_batch()
             try:
                 n = self.sock.sendmsg(batch)
             except (BlockingIOError, InterruptedError):
+                if self.stuck_since is None:
+                    self.stuck_since = time.monotonic()
                 return False
             except OSError as exc:
                 raise TransportError(f"tcp data plane send failed: {exc}") from exc
@@ -401,8 +409,10 @@ class FrameStream:
             callbacks = self._tx_callbacks
             while callbacks and callbacks[0][0] <= self._sent:
                 callbacks.popleft()[1]()
-            if n < size:
-                return False  # the socket's buffer is full
+            if n < size:  # the socket's buffer is full
+                self.stuck_since = time.monotonic()
+                return False
+        self.stuck_since = None
         return True
 
     def _next_batch(self) -> tuple[list[memoryview], int]:
@@ -566,7 +576,10 @@ class TcpAgentLink(AgentLink, FrameHandler):
     submits jobs and answers none of their WRITEs would otherwise make the link keep a
     record of each until `op_timeout`), and so does a capsule queued behind more than
     `max_unanswered` frames that the socket has not taken (a host that sends SUBMITs and
-    reads nothing would otherwise make it keep every COMPLETION). `max_unanswered` is
+    reads nothing would otherwise make it keep every COMPLETION), and so do frames that
+    wait `op_timeout` seconds with the socket taking none of their bytes (a host that
+    stops reading short of that bound would otherwise make it keep them for as long
+    as the session lives). `max_unanswered` is
     `max_waiting(queue_depth)`; capsules go out every `eager_flush(queue_depth)`.
     """
 
@@ -795,8 +808,23 @@ class TcpAgentLink(AgentLink, FrameHandler):
         return False
 
     def overdue(self, now: float) -> bool:
-        """Whether the oldest request waited longer than the link's limit (then it fails)."""
-        if not self._requests or self.error is not None:
+        """Whether something waited longer than the link's limit (then it fails).
+
+        That is the oldest unanswered request (DP-3-7), or queued frames while the
+        socket took none of their bytes (DP-3-11).
+        """
+        if self.error is not None:
+            return False
+        stuck = self._stream.stuck_since
+        if stuck is not None and now - stuck > self._op_timeout:
+            self._fail(
+                TransportError(
+                    f"the host read nothing for {self._op_timeout:g} s: "
+                    f"{self._stream.waiting} buffers wait to be sent"
+                )
+            )
+            return True
+        if not self._requests:
             return False
         oldest = next(iter(self._requests.values())).sent
         if now - oldest <= self._op_timeout:

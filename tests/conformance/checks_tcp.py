@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import socket
+import sys
+import termios
 import time
 from typing import TYPE_CHECKING
 
@@ -362,6 +365,65 @@ async def a_host_that_does_not_read(ctx: Ctx) -> None:
     state = await session.wait_state(session_pb2.SESSION_STATE_FAILED)
     assert state.state == session_pb2.SESSION_STATE_FAILED, f"{sent} SUBMITs unread: {state}"
     assert state.error.code == 14, state
+
+
+def _agent_queues(host: socket.socket) -> tuple[int, int]:
+    """The agent's end of the host's connection, from the kernel (/proc/net/tcp):
+    (bytes in its send queue, bytes in its receive queue). The agent runs here."""
+    agent_ip, agent_port = host.getpeername()[:2]
+    host_ip, host_port = host.getsockname()[:2]
+
+    def hex_end(ip: str, port: int) -> str:
+        packed = socket.inet_aton(ip)[::-1].hex().upper()  # the kernel's byte order
+        return f"{packed}:{port:04X}"
+
+    local, remote = hex_end(agent_ip, agent_port), hex_end(host_ip, host_port)
+    with open("/proc/net/tcp", encoding="ascii") as table:  # noqa: PTH123
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            if fields[1] == local and fields[2] == remote:
+                tx, rx = fields[4].split(":")
+                return int(tx, 16), int(rx, 16)
+    raise AssertionError(f"the agent's end {agent_ip}:{agent_port} is not on this machine")
+
+
+async def frames_the_host_takes_none_of(ctx: Ctx) -> None:
+    """DP-3-11 (short profile: op_timeout 1 s): a host that stops reading short of
+    DP-3-10's bound, with jobs that make no READ or WRITE (inline CRC32C)."""
+    session = await ctx.open("short", queue_depth=64)  # DP-3-10's bound: 1024 frames
+    host = _host(session)
+    assert host.sock is not None
+    host.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills sooner
+    host.stop_reading()
+    data = os.urandom(16)
+    kernel, completed, steady = -1, 0, 0
+    for _ in range(2_000):  # the kernel's buffers hold some ten thousand COMPLETIONs
+        # 128 a batch: three steady batches' COMPLETIONs stay well under the bound
+        batch = [wire.submit_inline(session.next_id(), Kind.CRC32C, data) for _ in range(128)]
+        await asyncio.wait_for(host.send(b"".join(map(wire.capsule_frame, batch))), WAIT)
+        await asyncio.sleep(0.02)
+        queued, unread = _agent_queues(host.sock)
+        inq = int.from_bytes(
+            fcntl.ioctl(host.sock.fileno(), termios.FIONREAD, bytes(4)), sys.byteorder
+        )
+        done = (await session.get()).counters.jobs_completed
+        # The agent read and ran every SUBMIT, and the bytes in the kernel's buffers
+        # (its send queue, the host's receive queue) did not grow: the COMPLETIONs
+        # of the last jobs wait in the agent's memory.
+        grew = queued + inq != kernel
+        steady = 0 if grew or unread or done != completed + len(batch) else steady + 1
+        kernel, completed = queued + inq, done
+        if steady >= 2:
+            break
+    else:
+        raise AssertionError("the kernel's buffers never stopped taking the COMPLETIONs")
+    stopped = time.monotonic()
+    state = await session.get()
+    assert state.state == session_pb2.SESSION_STATE_ACTIVE, f"ended before the wait: {state}"
+    state = await session.wait_state(session_pb2.SESSION_STATE_FAILED)
+    assert state.state == session_pb2.SESSION_STATE_FAILED, f"{completed} jobs: {state}"
+    assert state.error.code == 14, state
+    assert time.monotonic() - stopped < TIMERS["op_timeout"] + 1 + PROMPT
 
 
 async def failed_before_the_close(ctx: Ctx) -> None:

@@ -139,6 +139,7 @@ ROWS: Final = (
     Row("DP-3-8", TCP, c3.peer_closed),
     Row("DP-3-9", TCP, c3.unanswered_requests_bounded),
     Row("DP-3-10", TCP, c3.a_host_that_does_not_read),
+    Row("DP-3-11", TCP, c3.frames_the_host_takes_none_of, "short profile"),
     # 4 failure
     Row("DP-4-1", BOTH, c4.failure_fails_jobs_and_session),
     Row("DP-4-2", BOTH, c4.failed_stays_listed, "main and short profiles"),

@@ -12,6 +12,7 @@ import select
 import socket
 import struct
 import threading
+import time
 
 import pytest
 import pytest_asyncio
@@ -344,6 +345,48 @@ async def test_a_poll_hands_over_at_most_its_budget_and_the_rest_on_later_polls(
     assert handed == [budget] * (len(capsules) // budget) + [len(capsules) % budget]
     assert link.poll(sink, budget) == 0  # the socket is drained too
     assert not link.backlog
+    link.close()
+    peer.close()
+
+
+async def test_frames_the_host_takes_none_of_end_the_link_after_op_timeout():
+    """DP-3-11: a host that stops reading short of DP-3-10's bound, and makes no READ or
+    WRITE wait, kept the agent's frames in memory for as long as its session lived.
+    Now they may wait `op_timeout` with the socket taking none of their bytes; any
+    byte it takes starts the wait again."""
+    mine, peer = socket.socketpair()
+    for sock, option in ((mine, socket.SO_SNDBUF), (peer, socket.SO_RCVBUF)):
+        sock.setsockopt(socket.SOL_SOCKET, option, 4096)
+    link = tcp.TcpAgentLink(mine, tcp.new_token(), op_timeout=5.0, queue_depth=64)
+    capsule = bytes(200)
+    for _ in range(200):  # far more than the two small buffers hold, under the bound
+        link.post_send(capsule)
+    link.flush()
+    stuck = link._stream.stuck_since
+    assert stuck is not None, "every frame went to the kernel: the buffers are too large"
+    assert link.wants_write
+    assert not link.overdue(stuck + 4.9)
+    await asyncio.sleep(0.2)
+    peer.recv(16384)  # the host reads a little: the socket takes more, the wait restarts
+    link.flush()
+    restarted = link._stream.stuck_since
+    assert restarted is not None
+    assert restarted >= stuck + 0.2
+    assert not link.overdue(stuck + 5.1)
+    assert link.overdue(restarted + 5.1)
+    assert link.error is not None
+    assert "read nothing for 5 s" in str(link.error)
+    link.close()
+    peer.close()
+
+
+async def test_frames_all_taken_by_the_socket_never_make_the_link_overdue():
+    mine, peer = socket.socketpair()
+    link = tcp.TcpAgentLink(mine, tcp.new_token(), op_timeout=1.0)
+    link.post_send(bytes(64))
+    link.flush()
+    assert link._stream.stuck_since is None
+    assert not link.overdue(time.monotonic() + 3600)
     link.close()
     peer.close()
 
