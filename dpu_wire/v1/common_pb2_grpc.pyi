@@ -38,9 +38,9 @@ Conventions (Google API style, https://google.aip.dev):
   It is this field, not the x-request-id metadata (which only labels the call in
   the agent's logs and events). A key belongs to one tenant and one method, and
   to one request: the same key with a different request (any field) is
-  INVALID_ARGUMENT and changes nothing. The agent keeps a tenant's successful replies for 5 minutes (at most
-  1,024 and 1 MiB of them per tenant, the oldest forgotten first); a call that
-  failed changed nothing, and its retry acts. OpenSession and SubmitJob keep
+  INVALID_ARGUMENT and changes nothing. The agent keeps a tenant's successful
+  replies for 5 minutes (at most 1,024 and 1 MiB of them per tenant, the oldest
+  forgotten first); a call that failed changed nothing, and its retry acts. OpenSession and SubmitJob keep
   theirs as long as the session or the job they made (SubmitJob's key is the
   session's; OpenSession's retries are matched by key alone, docs/data-plane.md
   DP-1.1-4).

@@ -172,13 +172,13 @@ class QosLimits(_message.Message):
     1..10,000,000 and bytes/s 65,536..1,099,511,627,776 (INVALID_ARGUMENT outside).
     An operation is one chunk of a job (`[dataplane] chunk_size`, 1 MiB by default:
     a 4 MiB VOLUME_WRITE counts four). A VOLUME_TRIM counts as one write operation of
-    no bytes; VOLUME_FLUSH is not limited. The same limits hold for a block function's device I/O while the volume is
-    exported (each read, write and trim request the device sends; a flush is not
-    limited): such a request waits in the agent, and the kernel's NBD request timeout
-    is off, so it is never failed for the wait (a host's own command timeout, such as
-    NVMe's 30 s, still applies to it). The limits are the volume owner's: a tenant sets, raises or clears those
-    of its own volumes, to pace its own I/O; they are not a ceiling an operator puts
-    on a tenant.
+    no bytes; VOLUME_FLUSH is not limited. The same limits hold for a block function's
+    device I/O while the volume is exported (each read, write and trim request the
+    device sends; a flush is not limited): such a request waits in the agent, and the
+    kernel's NBD request timeout is off, so it is never failed for the wait (a host's
+    own command timeout, such as NVMe's 30 s, still applies to it). The limits are the
+    volume owner's: a tenant sets, raises or clears those of its own volumes, to pace
+    its own I/O; they are not a ceiling an operator puts on a tenant.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
