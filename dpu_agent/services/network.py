@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument, NotFound, ResourceExhausted
+from dpu_agent.fair_lock import FairLock
 from dpu_agent.network import model
 from dpu_agent.network.access import check_rule_access
 from dpu_agent.network.table import Applied, Changes
@@ -250,7 +251,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         self._quotas = quotas or Quotas()
         self._owners = owners  # None: the agent manages no functions
         self._tags = tags or TenantTags()  # none given: no tenant may use a tag
-        self._creating = asyncio.Lock()  # the quota check and the create hold together
+        self._creating = FairLock()  # the quota check and the create hold together
         self._watches: collections.Counter[str] = collections.Counter()  # tenant -> streams
 
     def _checked(
@@ -320,7 +321,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         principal = auth.current_principal()
         tenant = principal.tenant
         rule = rule_from(request.flow_rule_id, request.flow_rule, tenant)
-        async with self._creating:
+        async with self._creating.hold():
             owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
             self._quotas.check_flow_rules(tenant, owned + 1)
             created = await in_thread(self._checked, rule, principal, replace=False)
@@ -439,7 +440,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         changes = Changes(creates, tuple(updates), deletes)
         # the table checks these owners again (and an update's): an id may change hands
         owners = {r.rule_id: r.tenant for r in olds[len(update_ids) :]}
-        async with self._creating:
+        async with self._creating.hold():
             owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
             leaving = sum(1 for r in olds[len(update_ids) :] if r.tenant == tenant)
             if creates:

@@ -22,11 +22,11 @@ snapshots outlive their volumes, so without it a tenant could pile them up for f
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument
+from dpu_agent.fair_lock import FairLock
 from dpu_agent.offload import in_thread
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
@@ -155,8 +155,9 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     def __init__(self, store: VolumeStore, quotas: Quotas | None = None) -> None:
         self._store = store
         self._quotas = quotas or Quotas()
-        # changes that need ownership and quota checks to hold while they run
-        self._changes = asyncio.Lock()
+        # changes that need ownership and quota checks to hold while they run; tenants
+        # take it in turns (`dpu_agent.fair_lock`)
+        self._changes = FairLock()
 
     # ------------------------------------------------------------ helpers
 
@@ -213,7 +214,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
             encryption=_ENCRYPTION[spec.data_services.encryption],
         )
         self._check_size(spec.size_bytes, check_block_size(spec.block_size or 4096))
-        async with self._changes:
+        async with self._changes.hold():
             await self._check_quota(tenant, 1, spec.size_bytes)
             info = await in_thread(
                 lambda: self._store.create(
@@ -239,7 +240,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
                 "from its snapshot: leave volume.block_size, volume.data_services and "
                 "encryption_key unset"
             )
-        async with self._changes:
+        async with self._changes.hold():
             snap = await self._owned_snapshot(source)
             size = spec.size_bytes or snap.size_bytes
             self._check_size(size, snap.block_size)
@@ -281,7 +282,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
                     f"update_mask: cannot update {path!r} (only {', '.join(sorted(_UPDATABLE))})"
                 )
             fields.update(_UPDATABLE[path])
-        async with self._changes:
+        async with self._changes.hold():
             info = await self._owned(ident)
             given = request.volume.qos
             qos = QosLimits(
@@ -299,7 +300,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.Volume:
         """Grow a volume, or shrink it (over written data only with force)."""
         ident = volume_id(request.name)
-        async with self._changes:
+        async with self._changes.hold():
             info = await self._owned(ident)
             self._check_size(request.size_bytes, info.block_size)
             if request.size_bytes > info.size_bytes:
@@ -314,7 +315,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.DeleteVolumeResponse:
         """Delete a volume and its data (its snapshots stay)."""
         ident = volume_id(request.name)
-        async with self._changes:
+        async with self._changes.hold():
             await self._owned(ident)
             await in_thread(self._store.delete, ident)
         return storage_pb2.DeleteVolumeResponse()
@@ -328,7 +329,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.Snapshot:
         """A read-only point-in-time snapshot of a volume."""
         source = resource_id(request.snapshot.source_volume, "volumes", "snapshot.source_volume")
-        async with self._changes:
+        async with self._changes.hold():
             volume = await self._owned(source)
             held = (await in_thread(self._store.stats, source)).allocated_bytes
             await self._check_quota(volume.tenant, 0, held, 1)  # the snapshot takes them over
@@ -368,7 +369,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.DeleteSnapshotResponse:
         """Delete a snapshot (FAILED_PRECONDITION while it has clones)."""
         ident = snapshot_id(request.name)
-        async with self._changes:
+        async with self._changes.hold():
             await self._owned_snapshot(ident)
             await in_thread(self._store.delete_snapshot, ident)
         return storage_pb2.DeleteSnapshotResponse()
