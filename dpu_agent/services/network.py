@@ -238,7 +238,12 @@ def port_to(p: model.PortInfo, function: str = "") -> network_pb2.Port:
 
 
 class NetworkService(network_pb2_grpc.NetworkServiceServicer):
-    """Ports and flow rules; the table does the work in a thread."""
+    """Ports and flow rules; the table does the work in a thread.
+
+    Every call of the table runs in a thread, reads too: the table holds its lock while
+    the datapath is programmed and the rule file is written and synced, and a read on
+    the event loop stopped every call of every tenant for that long.
+    """
 
     def __init__(
         self,
@@ -322,7 +327,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         tenant = principal.tenant
         rule = rule_from(request.flow_rule_id, request.flow_rule, tenant)
         async with self._creating.hold():
-            owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
+            owned = sum(1 for r in await in_thread(self._table.rules) if r.tenant == tenant)
             self._quotas.check_flow_rules(tenant, owned + 1)
             created = await in_thread(self._checked, rule, principal, replace=False)
         return rule_to(created)
@@ -344,7 +349,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         """The caller's rules (an admin's: all) (on one port) by id, a page at a time."""
         principal = auth.current_principal()
         port = port_name(request.ingress_port, "ingress_port") if request.ingress_port else None
-        rules = [r for r in self._table.rules(port) if principal.can_see(r.tenant)]
+        rules = [r for r in await in_thread(self._table.rules, port) if principal.can_see(r.tenant)]
         page, token = paging.page(rules, lambda r: r.rule_id, request)
         return network_pb2.ListFlowRulesResponse(
             flow_rules=[rule_to(r) for r in page], next_page_token=token
@@ -441,7 +446,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         # the table checks these owners again (and an update's): an id may change hands
         owners = {r.rule_id: r.tenant for r in olds[len(update_ids) :]}
         async with self._creating.hold():
-            owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
+            owned = sum(1 for r in await in_thread(self._table.rules) if r.tenant == tenant)
             leaving = sum(1 for r in olds[len(update_ids) :] if r.tenant == tenant)
             if creates:
                 self._quotas.check_flow_rules(tenant, owned + len(creates) - leaving)
@@ -523,7 +528,8 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         try:
             await context.send_initial_metadata(())
             while True:
-                visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
+                rules = await in_thread(self._table.rules)
+                visible = [r.rule_id for r in rules if principal.can_see(r.tenant)]
                 ids = wanted or visible[:MAX_WATCHED_RULES]
                 counters = await in_thread(  # rules that changed hands are left out
                     self._table.counters_many, ids, None if principal.admin else principal.tenant
