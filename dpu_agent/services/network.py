@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument, NotFound, ResourceExhausted
+from dpu_agent.fair_lock import FairLock
 from dpu_agent.network import model
 from dpu_agent.network.access import check_rule_access
 from dpu_agent.network.table import Applied, Changes
@@ -237,7 +238,12 @@ def port_to(p: model.PortInfo, function: str = "") -> network_pb2.Port:
 
 
 class NetworkService(network_pb2_grpc.NetworkServiceServicer):
-    """Ports and flow rules; the table does the work in a thread."""
+    """Ports and flow rules; the table does the work in a thread.
+
+    Every call of the table runs in a thread, reads too: the table holds its lock while
+    the datapath is programmed and the rule file is written and synced, and a read on
+    the event loop stopped every call of every tenant for that long.
+    """
 
     def __init__(
         self,
@@ -250,7 +256,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         self._quotas = quotas or Quotas()
         self._owners = owners  # None: the agent manages no functions
         self._tags = tags or TenantTags()  # none given: no tenant may use a tag
-        self._creating = asyncio.Lock()  # the quota check and the create hold together
+        self._creating = FairLock()  # the quota check and the create hold together
         self._watches: collections.Counter[str] = collections.Counter()  # tenant -> streams
 
     def _checked(
@@ -320,8 +326,8 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         principal = auth.current_principal()
         tenant = principal.tenant
         rule = rule_from(request.flow_rule_id, request.flow_rule, tenant)
-        async with self._creating:
-            owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
+        async with self._creating.hold():
+            owned = sum(1 for r in await in_thread(self._table.rules) if r.tenant == tenant)
             self._quotas.check_flow_rules(tenant, owned + 1)
             created = await in_thread(self._checked, rule, principal, replace=False)
         return rule_to(created)
@@ -343,7 +349,7 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         """The caller's rules (an admin's: all) (on one port) by id, a page at a time."""
         principal = auth.current_principal()
         port = port_name(request.ingress_port, "ingress_port") if request.ingress_port else None
-        rules = [r for r in self._table.rules(port) if principal.can_see(r.tenant)]
+        rules = [r for r in await in_thread(self._table.rules, port) if principal.can_see(r.tenant)]
         page, token = paging.page(rules, lambda r: r.rule_id, request)
         return network_pb2.ListFlowRulesResponse(
             flow_rules=[rule_to(r) for r in page], next_page_token=token
@@ -439,8 +445,8 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         changes = Changes(creates, tuple(updates), deletes)
         # the table checks these owners again (and an update's): an id may change hands
         owners = {r.rule_id: r.tenant for r in olds[len(update_ids) :]}
-        async with self._creating:
-            owned = sum(1 for r in self._table.rules() if r.tenant == tenant)
+        async with self._creating.hold():
+            owned = sum(1 for r in await in_thread(self._table.rules) if r.tenant == tenant)
             leaving = sum(1 for r in olds[len(update_ids) :] if r.tenant == tenant)
             if creates:
                 self._quotas.check_flow_rules(tenant, owned + len(creates) - leaving)
@@ -522,7 +528,8 @@ class NetworkService(network_pb2_grpc.NetworkServiceServicer):
         try:
             await context.send_initial_metadata(())
             while True:
-                visible = [r.rule_id for r in self._table.rules() if principal.can_see(r.tenant)]
+                rules = await in_thread(self._table.rules)
+                visible = [r.rule_id for r in rules if principal.can_see(r.tenant)]
                 ids = wanted or visible[:MAX_WATCHED_RULES]
                 counters = await in_thread(  # rules that changed hands are left out
                     self._table.counters_many, ids, None if principal.admin else principal.tenant

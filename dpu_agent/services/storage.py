@@ -22,11 +22,11 @@ snapshots outlive their volumes, so without it a tenant could pile them up for f
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent import auth, paging
 from dpu_agent.errors import InvalidArgument
+from dpu_agent.fair_lock import FairLock
 from dpu_agent.offload import in_thread
 from dpu_agent.quota import Quotas
 from dpu_agent.services.convert import resource_id, timestamp
@@ -149,14 +149,25 @@ def snapshot_to(info: SnapshotInfo) -> storage_pb2.Snapshot:
     )
 
 
+def _listed_tenant() -> str | None:
+    """Whose objects the caller lists: its tenant's, or (an admin) everyone's (None).
+
+    The store passes over other tenants' objects itself, under its lock, rather than
+    making infos of every object for the service to filter.
+    """
+    principal = auth.current_principal()
+    return None if principal.admin else principal.tenant
+
+
 class StorageService(storage_pb2_grpc.StorageServiceServicer):
     """Volumes, snapshots and clones; the store does the work in a thread."""
 
     def __init__(self, store: VolumeStore, quotas: Quotas | None = None) -> None:
         self._store = store
         self._quotas = quotas or Quotas()
-        # changes that need ownership and quota checks to hold while they run
-        self._changes = asyncio.Lock()
+        # changes that need ownership and quota checks to hold while they run; tenants
+        # take it in turns (`dpu_agent.fair_lock`)
+        self._changes = FairLock()
 
     # ------------------------------------------------------------ helpers
 
@@ -180,8 +191,8 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         self, tenant: str, volumes: int, more_bytes: int, snapshots: int = 0
     ) -> None:
         """The tenant's holdings and `volumes`, `more_bytes`, `snapshots` more would fit."""
-        owned = [v for v in await in_thread(self._store.list) if v.tenant == tenant]
-        snaps = [s for s in await in_thread(self._store.list_snapshots) if s.tenant == tenant]
+        owned = await in_thread(self._store.list, tenant)
+        snaps = await in_thread(self._store.list_snapshots, tenant)
         if snapshots:
             self._quotas.check_snapshots(tenant, len(snaps) + snapshots)
         held = sum(v.size_bytes for v in owned) + sum(s.allocated_bytes for s in snaps)
@@ -213,7 +224,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
             encryption=_ENCRYPTION[spec.data_services.encryption],
         )
         self._check_size(spec.size_bytes, check_block_size(spec.block_size or 4096))
-        async with self._changes:
+        async with self._changes.hold():
             await self._check_quota(tenant, 1, spec.size_bytes)
             info = await in_thread(
                 lambda: self._store.create(
@@ -239,7 +250,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
                 "from its snapshot: leave volume.block_size, volume.data_services and "
                 "encryption_key unset"
             )
-        async with self._changes:
+        async with self._changes.hold():
             snap = await self._owned_snapshot(source)
             size = spec.size_bytes or snap.size_bytes
             self._check_size(size, snap.block_size)
@@ -261,8 +272,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         self, request: storage_pb2.ListVolumesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> storage_pb2.ListVolumesResponse:
         """A page of the caller's volumes (an admin's: every volume) in id order."""
-        principal = auth.current_principal()
-        volumes = [v for v in await in_thread(self._store.list) if principal.can_see(v.tenant)]
+        volumes = await in_thread(self._store.list, _listed_tenant())
         page, token = paging.page(volumes, lambda v: v.volume_id, request)
         return storage_pb2.ListVolumesResponse(
             volumes=[to_proto(v) for v in page], next_page_token=token
@@ -281,7 +291,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
                     f"update_mask: cannot update {path!r} (only {', '.join(sorted(_UPDATABLE))})"
                 )
             fields.update(_UPDATABLE[path])
-        async with self._changes:
+        async with self._changes.hold():
             info = await self._owned(ident)
             given = request.volume.qos
             qos = QosLimits(
@@ -299,7 +309,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.Volume:
         """Grow a volume, or shrink it (over written data only with force)."""
         ident = volume_id(request.name)
-        async with self._changes:
+        async with self._changes.hold():
             info = await self._owned(ident)
             self._check_size(request.size_bytes, info.block_size)
             if request.size_bytes > info.size_bytes:
@@ -314,7 +324,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.DeleteVolumeResponse:
         """Delete a volume and its data (its snapshots stay)."""
         ident = volume_id(request.name)
-        async with self._changes:
+        async with self._changes.hold():
             await self._owned(ident)
             await in_thread(self._store.delete, ident)
         return storage_pb2.DeleteVolumeResponse()
@@ -328,7 +338,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.Snapshot:
         """A read-only point-in-time snapshot of a volume."""
         source = resource_id(request.snapshot.source_volume, "volumes", "snapshot.source_volume")
-        async with self._changes:
+        async with self._changes.hold():
             volume = await self._owned(source)
             held = (await in_thread(self._store.stats, source)).allocated_bytes
             await self._check_quota(volume.tenant, 0, held, 1)  # the snapshot takes them over
@@ -347,14 +357,13 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> storage_pb2.ListSnapshotsResponse:
         """A page of the caller's snapshots (an admin's: every one), of one volume if asked."""
-        principal = auth.current_principal()
         source = ""
         if request.source_volume:
             source = resource_id(request.source_volume, "volumes", "source_volume")
         snaps = [
             s
-            for s in await in_thread(self._store.list_snapshots)
-            if principal.can_see(s.tenant) and (not source or s.source_volume == source)
+            for s in await in_thread(self._store.list_snapshots, _listed_tenant())
+            if not source or s.source_volume == source
         ]
         page, token = paging.page(snaps, lambda s: s.snapshot_id, request)
         return storage_pb2.ListSnapshotsResponse(
@@ -368,7 +377,7 @@ class StorageService(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.DeleteSnapshotResponse:
         """Delete a snapshot (FAILED_PRECONDITION while it has clones)."""
         ident = snapshot_id(request.name)
-        async with self._changes:
+        async with self._changes.hold():
             await self._owned_snapshot(ident)
             await in_thread(self._store.delete_snapshot, ident)
         return storage_pb2.DeleteSnapshotResponse()

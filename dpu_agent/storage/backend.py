@@ -118,8 +118,8 @@ class VolumeStore(abc.ABC):
         """Describe a volume."""
 
     @abc.abstractmethod
-    def list(self) -> builtins.list[VolumeInfo]:
-        """Every volume, sorted by id."""
+    def list(self, tenant: str | None = None) -> builtins.list[VolumeInfo]:
+        """Every volume (of `tenant`, when given), sorted by id."""
 
     @abc.abstractmethod
     def resize(self, volume_id: str, size_bytes: int, *, force: bool = False) -> VolumeInfo:
@@ -196,8 +196,8 @@ class VolumeStore(abc.ABC):
         """Describe a snapshot."""
 
     @abc.abstractmethod
-    def list_snapshots(self) -> builtins.list[SnapshotInfo]:
-        """Every snapshot, sorted by id."""
+    def list_snapshots(self, tenant: str | None = None) -> builtins.list[SnapshotInfo]:
+        """Every snapshot (of `tenant`, when given), sorted by id."""
 
     @abc.abstractmethod
     def delete_snapshot(self, snapshot_id: str) -> None:

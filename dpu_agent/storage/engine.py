@@ -605,12 +605,16 @@ class CowVolumeStore(VolumeStore):
         """See `VolumeStore.get`."""
         return self._volume(volume_id).node.volume_info()
 
-    def list(self) -> builtins.list[VolumeInfo]:
-        """See `VolumeStore.list`."""
+    def list(self, tenant: str | None = None) -> builtins.list[VolumeInfo]:
+        """See `VolumeStore.list`.
+
+        A tenant's volumes come from the state's index by tenant: the lock is held
+        for the walk, and the data plane waits for it.
+        """
         with self._lock:
             self._check_open()
-            nodes = [self._state.volumes[v] for v in sorted(self._state.volumes)]
-            return [node.volume_info() for node in nodes]
+            nodes = self._state.volumes if tenant is None else self._state.of(tenant, VOLUME)
+            return [nodes[v].volume_info() for v in sorted(nodes)]
 
     def resize(self, volume_id: str, size_bytes: int, *, force: bool = False) -> VolumeInfo:
         """See `VolumeStore.resize`."""
@@ -744,11 +748,11 @@ class CowVolumeStore(VolumeStore):
             self._check_open()
             return self._snapshot(snapshot_id).snapshot_info()
 
-    def list_snapshots(self) -> builtins.list[SnapshotInfo]:
-        """See `VolumeStore.list_snapshots`."""
+    def list_snapshots(self, tenant: str | None = None) -> builtins.list[SnapshotInfo]:
+        """See `VolumeStore.list_snapshots` (a tenant's from the index, as in `list`)."""
         with self._lock:
             self._check_open()
-            snaps = self._state.snapshots
+            snaps = self._state.snapshots if tenant is None else self._state.of(tenant, SNAPSHOT)
             return [snaps[s].snapshot_info() for s in sorted(snaps)]
 
     def delete_snapshot(self, snapshot_id: str) -> None:

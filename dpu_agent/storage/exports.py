@@ -108,9 +108,9 @@ class GuardedVolumeStore(VolumeStore):
         """See `VolumeStore.get`."""
         return self.inner.get(volume_id)
 
-    def list(self) -> builtins.list[VolumeInfo]:
+    def list(self, tenant: str | None = None) -> builtins.list[VolumeInfo]:
         """See `VolumeStore.list`."""
-        return self.inner.list()
+        return self.inner.list(tenant)
 
     def resize(self, volume_id: str, size_bytes: int, *, force: bool = False) -> VolumeInfo:
         """See `VolumeStore.resize`; refused while exported."""
@@ -169,9 +169,9 @@ class GuardedVolumeStore(VolumeStore):
         """See `VolumeStore.get_snapshot`."""
         return self.inner.get_snapshot(snapshot_id)
 
-    def list_snapshots(self) -> builtins.list[SnapshotInfo]:
+    def list_snapshots(self, tenant: str | None = None) -> builtins.list[SnapshotInfo]:
         """See `VolumeStore.list_snapshots`."""
-        return self.inner.list_snapshots()
+        return self.inner.list_snapshots(tenant)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         """See `VolumeStore.delete_snapshot`."""

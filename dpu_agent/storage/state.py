@@ -191,7 +191,14 @@ class State:
         self.nodes: dict[int, Node] = {}
         self.volumes: dict[str, Node] = {}
         self.snapshots: dict[str, Node] = {}
+        # (tenant, kind) -> its volumes or snapshots by id: a tenant's listing and quota
+        # walk its own objects, not the store's (the data plane waits for the lock)
+        self.owned: dict[tuple[str, str], dict[str, Node]] = {}
         self.next_node = 1
+
+    def of(self, tenant: str, kind: str) -> dict[str, Node]:
+        """The tenant's volumes (kind VOLUME) or snapshots by id (do not change it)."""
+        return self.owned.get((tenant, kind), {})
 
     def node(self, number: int) -> Node:
         """The node with that number; DataCorruption if there is none (a bad record)."""
@@ -208,11 +215,16 @@ class State:
             raise DataCorruption(f"the volume metadata has volume or snapshot {node.node} twice")
         self.nodes[node.node] = node
         (self.volumes if node.kind == VOLUME else self.snapshots)[node.name] = node
+        self.owned.setdefault((node.tenant, node.kind), {})[node.name] = node
         self.next_node = max(self.next_node, node.node + 1)
 
     def _remove(self, node: Node) -> None:
         del self.nodes[node.node]
         del (self.volumes if node.kind == VOLUME else self.snapshots)[node.name]
+        owned = self.owned[node.tenant, node.kind]
+        del owned[node.name]
+        if not owned:
+            del self.owned[node.tenant, node.kind]
         if node.parent is not None:
             node.parent.children.remove(node)
 
