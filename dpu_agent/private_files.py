@@ -1,11 +1,18 @@
-"""Reading the agent's own files (keys, tokens, grants): bounded, with their permission bits."""
+"""The agent's own files: read bounded and checked, or replaced durably.
+
+Reading: keys, tokens and grants, bounded, with their permission bits. Replacing: its
+state files (flow rules, functions), whole or not at all.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent import tomltext
+from dpu_agent.errors import ResourceExhausted
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -50,3 +57,35 @@ def read_toml(
         raise error(f"{path}: not UTF-8 text") from None
     except tomltext.TomlError as exc:
         raise error(f"{path}: {exc}") from None
+
+
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def replace_durably(path: Path, text: str, what: str) -> None:
+    """Make `path` hold `text`, whole or not at all, and durably.
+
+    Written to a temporary file beside it, synced, renamed over it, then the directory
+    synced (the rename's own durability). A full disk or quota raises
+    ResourceExhausted naming `what` (the disk the volumes share can fill: that is
+    not the agent's fault); any failure leaves `path` as it was and no temporary file.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if exc.errno in _FULL:
+            raise ResourceExhausted(f"no space left to save {what}: {exc.strerror}") from None
+        raise
+    with contextlib.suppress(OSError):  # the file is replaced; this only hastens it
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
-import os
 from typing import TYPE_CHECKING, Any, Final
 
 from dpu_agent.auth import DEFAULT_TENANT
 from dpu_agent.network import model
+from dpu_agent.private_files import replace_durably
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -106,7 +106,6 @@ class RuleStore:
     def save(self, rules: list[model.FlowRule]) -> None:
         """Replace the saved rules."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
         encoded = {}
         for rule in rules:
             known = self._encoded.get(rule.rule_id)
@@ -114,11 +113,7 @@ class RuleStore:
             encoded[rule.rule_id] = (rule, text)
         self._encoded = encoded
         lines = ",\n".join(text for _, text in encoded.values())
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(f'{{"version": 1, "rules": [\n{lines}\n]}}\n')
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.path)
+        replace_durably(self.path, f'{{"version": 1, "rules": [\n{lines}\n]}}\n', "the flow rules")
 
 
 def _encode(rule: model.FlowRule) -> str:

@@ -156,7 +156,13 @@ class FlowTable:
                 self._backend.install(old)
                 raise
             self._rules[rule.rule_id] = rule
-            self._save()
+            try:
+                self._save()
+            except BaseException:
+                self._rules[rule.rule_id] = old
+                self._backend.remove(rule)
+                self._backend.install(old)
+                raise
             return rule
 
     def apply(
@@ -219,7 +225,12 @@ class FlowTable:
             rule = self._get(rule_id, owner)
             self._backend.remove(rule)
             del self._rules[rule_id]
-            self._save()
+            try:
+                self._save()
+            except BaseException:
+                self._rules[rule_id] = rule
+                self._backend.install(rule)
+                raise
 
     def get(self, rule_id: str) -> FlowRule:
         """One rule."""

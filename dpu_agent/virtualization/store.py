@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import TYPE_CHECKING, Any
 
+from dpu_agent.private_files import replace_durably
 from dpu_agent.virtualization.model import (
     FunctionRecord,
     FunctionSpec,
@@ -69,10 +69,5 @@ class FunctionStore:
     def save(self, records: list[FunctionRecord]) -> None:
         """Replace the file with these records, durably."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         body = {"version": FORMAT_VERSION, "functions": [to_json(r) for r in records]}
-        with tmp.open("w", encoding="utf-8") as handle:
-            json.dump(body, handle, indent=1, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.replace(self.path)
+        replace_durably(self.path, json.dumps(body, indent=1, sort_keys=True), "the functions")

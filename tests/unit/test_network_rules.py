@@ -4,7 +4,13 @@ import ipaddress
 
 import pytest
 
-from dpu_agent.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from dpu_agent.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from dpu_agent.network import model
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore, from_json, to_json
@@ -181,6 +187,38 @@ def test_a_bulk_change_that_cannot_be_saved_is_undone_in_the_datapath(tmp_path):
         table.apply(Changes((rule(rid="a"), rule(rid="b", priority=11))))
     assert backend.installed() == []
     assert table.rules() == []
+
+
+def _disk_full(path):
+    """The next save of `path` writes to /dev/full: the kernel answers ENOSPC."""
+    path.with_name(path.name + ".tmp").symlink_to("/dev/full")
+
+
+def test_changes_that_cannot_be_saved_for_a_full_disk_are_undone_everywhere(tmp_path):
+    """A full disk (the volumes share it) made a rule's update and delete fail with
+    INTERNAL after the datapath and the table had changed: the saved file disagreed
+    with both, and the next start brought back what the table had dropped. Now each
+    change answers RESOURCE_EXHAUSTED and leaves datapath, table and file as before."""
+    path = tmp_path / "rules.json"
+    backend = MemoryFlowBackend(sorted(PORTS))
+    table = FlowTable(backend, RuleStore(path))
+    table.start()
+    table.create(rule())
+    saved = path.read_text()
+    before = (backend.installed(), table.rules())
+    _disk_full(path)
+    for change in (
+        lambda: table.create(rule(rid="r2", priority=20)),
+        lambda: table.update(rule(priority=5)),
+        lambda: table.delete("r1"),
+        lambda: table.apply(Changes((rule(rid="r3", priority=30),), (), ("r1",))),
+    ):
+        with pytest.raises(ResourceExhausted, match="no space left to save the flow rules"):
+            change()
+        assert (backend.installed(), table.rules()) == before
+        assert path.read_text() == saved
+        assert path.with_name("rules.json.tmp").exists() is False  # no half file left
+        _disk_full(path)
 
 
 def test_a_bulk_change_checks_ids_and_priorities_of_the_result(tmp_path):
