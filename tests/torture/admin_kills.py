@@ -342,12 +342,14 @@ class Rounds:
         return True
 
     async def _cleanup(self, client: host_client.Client) -> None:
-        for clone in list(self.clones):
+        """Delete what earlier rounds left: clones and base volumes, then snapshots."""
+        leftover = [name for name in self.model.volumes if name.startswith("akx")]
+        for clone in dict.fromkeys([*self.clones, *leftover]):
             self.maybe.add(clone)
             if not await self._acked("delete", client.delete_volume(f"volumes/{clone}")):
                 return
             self._deleted(clone)
-            del self.clones[clone]
+            self.clones.pop(clone, None)
         for snap in list(self.snapshots):
             self.maybe.add(snap)
             if not await self._acked("delete", client.delete_snapshot(f"snapshots/{snap}")):
