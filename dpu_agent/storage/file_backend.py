@@ -39,18 +39,8 @@ def load_or_create_master_key(path: Path) -> bytes:
     BlueField the master key would come from secure storage (TPM, secure-boot keys)
     instead of a file next to the data.
     """
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        try:
-            os.write(fd, os.urandom(MASTER_KEY_BYTES))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(path.parent)
-        log.info("created the store's master key", extra={"path": str(path)})
+    if not path.exists():
+        _create_master_key(path)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         mode = os.fstat(fd).st_mode & 0o777
@@ -64,6 +54,31 @@ def load_or_create_master_key(path: Path) -> bytes:
     if len(data) != MASTER_KEY_BYTES:
         raise FailedPrecondition(f"{path} does not hold a {MASTER_KEY_BYTES}-byte master key")
     return data
+
+
+def _create_master_key(path: Path) -> None:
+    """Write a new key beside `path`, sync it, then link it in: whole or not there at all.
+
+    (Created in place, a crash between the create and the write left an empty key file,
+    and every later open was refused.) A leftover of such a crash is overwritten.
+    """
+    new = path.with_name(path.name + ".new")
+    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a leftover may have had another mode
+        os.write(fd, os.urandom(MASTER_KEY_BYTES))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(new, path)  # never over a key that is there
+    except FileExistsError:
+        pass
+    else:
+        log.info("created the store's master key", extra={"path": str(path)})
+    finally:
+        new.unlink()
+        fsync_dir(path.parent)
 
 
 class FileVolumeStore(CowVolumeStore):

@@ -451,7 +451,13 @@ class Journal(Generic[ImageT]):
         """Commit everything and write a checkpoint now (after any being written)."""
         while (image := self._when_settled(self._take_image)) is None:
             with self._cond:
-                self._cond.wait(0.1)  # the thread is writing one: it notifies when done
+                if self._thread is None:  # before start() (an upgrade's import): one a
+                    queued, self._images = self._images, []  # commit captured is ours
+                else:
+                    queued = []
+                    self._cond.wait(0.1)  # the thread is writing one: it notifies when done
+            for earlier in queued:
+                self._write_checkpoint(earlier)
         self._write_checkpoint(image)
 
     def _when_settled(self, fn: Callable[[], T]) -> T:
@@ -471,7 +477,7 @@ class Journal(Generic[ImageT]):
         """The state now, to be written as a checkpoint; None while one is being written."""
         if self._checkpointing:
             self.check()
-            if self._thread is None:
+            if self._thread is None and not self._images:
                 raise FailedPrecondition("a checkpoint is pending and nothing writes it")
             return None
         self._checkpointing = True

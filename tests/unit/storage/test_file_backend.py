@@ -379,3 +379,32 @@ def test_a_pool_with_data_and_no_checkpoint_is_not_formatted_over(tmp_path):
         (tmp_path / name).write_bytes(b"")
     with pytest.raises(DataCorruption, match="refusing to format over them"):
         FileVolumeStore(tmp_path)
+
+
+def test_a_crash_while_the_master_key_is_created_leaves_a_store_that_opens(tmp_path, monkeypatch):
+    # The key was created in place (O_EXCL, then the write): an agent that died (or a
+    # power cut that came) between the two left an empty master.key, and every later
+    # start was refused ("does not hold a 32-byte master key") until someone removed it.
+    real_write = os.write
+
+    def die_writing_the_key(fd, data):
+        if len(data) == 32:
+            raise KeyboardInterrupt("killed while writing the master key")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", die_writing_the_key)
+    with pytest.raises(KeyboardInterrupt):
+        FileVolumeStore(tmp_path / "s")
+    monkeypatch.undo()
+    with FileVolumeStore(tmp_path / "s") as store:
+        store.create("v", MiB, 4096, DataServices(encryption=Encryption.AES_XTS_256))
+        store.write("v", 0, b"k" * 4096, fua=True)
+    with FileVolumeStore(tmp_path / "s") as store:
+        assert store.read("v", 0, 4096) == b"k" * 4096
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [
+        "checkpoint.0",
+        "checkpoint.1",
+        "master.key",
+        "pool",
+        "store.lock",
+    ]

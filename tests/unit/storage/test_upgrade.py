@@ -120,3 +120,23 @@ def test_an_interrupted_upgrade_starts_over(tmp_path, monkeypatch):
     with FileVolumeStore(store_dir) as store:
         for v, (_, _, size, data, _) in expected.items():
             assert store.read(v, 0, size) == data
+
+
+def test_an_old_store_larger_than_one_checkpoints_worth_of_log_upgrades(tmp_path):
+    # The import's commits capture a checkpoint once the log passes checkpoint_log_bytes
+    # (1 MiB by default: ~30,000 written blocks), before the journal's thread is started;
+    # nothing wrote it, so the import's own checkpoint_now failed ("a checkpoint is
+    # pending and nothing writes it") and so did every later open: no upgrade ever.
+    store_dir = tmp_path / "store"
+    writer = LegacyWriter(store_dir)
+    writer.volume("v", 4 * MiB, 512, DataServices(crc32c=True))
+    data = os.urandom(4 * MiB)
+    writer.db.execute("BEGIN")
+    writer.write("v", 0, data)
+    writer.db.execute("COMMIT")
+    writer.close()
+    with FileVolumeStore(store_dir, checkpoint_log_bytes=64 << 10) as store:
+        assert store.read("v", 0, 4 * MiB) == data
+    assert not (store_dir / "catalog.sqlite").exists()
+    with FileVolumeStore(store_dir) as store:
+        assert store.read("v", 0, 4 * MiB) == data
