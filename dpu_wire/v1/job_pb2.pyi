@@ -155,6 +155,11 @@ class VolumeWriteJob(_message.Message):
     range past the volume's end makes SubmitJob answer OK and the job end FAILED with
     status 3 (INVALID_ARGUMENT), as a capsule's would. A destination or source of
     length 0 means to the region's end (RegionRef), so its range is that long.
+    A crash (of the agent, or a power cut) before the job's COMPLETION leaves each
+    block of its range whole: as before the write or as it wrote it, never a mix and
+    never DATA_LOSS. The range as a whole is not atomic: a write of more blocks than
+    one record of the store holds (251) may be left part old, part new. A write that
+    completed with fua, or that a later flush covered, is never lost.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
