@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     core_log.capture()  # gRPC core's lines (failed TLS handshakes) become our records
     faulthandler.enable(file=sys.stderr)  # the real stderr, not the capture pipe
-    logs.configure(cfg.log_level, cfg.log_format)
+    logs.configure(cfg.log_level, cfg.log_format, access_per_s=cfg.log_access_per_s)
     try:
         asyncio.run(server.serve(cfg, ready_file=args.ready_file))
     except config.ConfigError as exc:

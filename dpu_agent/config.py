@@ -14,6 +14,8 @@ Example file (every key optional):
     [log]
     level = "info"                # debug, info, warning, error
     format = "json"               # json, text
+    access_per_s = 100            # access-log lines a second per tenant (the rest are
+                                  # dropped and counted in the next line); 0 = every call
 
     [dataplane]
     transports = "auto"           # auto (verbs if an RDMA port is ACTIVE, and tcp), or a
@@ -169,6 +171,7 @@ class AgentConfig:
     handshake_timeout: float = 10.0
     log_level: str = "info"
     log_format: str = "json"
+    log_access_per_s: int = logs.ACCESS_PER_S
     transports: str = "auto"
     rdma_device: str = ""
     poll_mode: str = "adaptive"
@@ -466,6 +469,14 @@ SETTINGS: Final = (
     Setting("log", "level", "log_level", "DPU_AGENT_LOG_LEVEL", _choice(*logs.LEVELS), "log level"),
     Setting(
         "log", "format", "log_format", "DPU_AGENT_LOG_FORMAT", _choice(*logs.FORMATS), "log format"
+    ),
+    Setting(
+        "log",
+        "access_per_s",
+        "log_access_per_s",
+        "DPU_AGENT_LOG_ACCESS_PER_S",
+        _integer(1, 1_000_000, off="every call"),
+        "access-log lines a second per tenant; the rest are dropped and counted",
     ),
     Setting(
         "dataplane",

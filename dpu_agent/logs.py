@@ -11,6 +11,13 @@ ANSI escapes, U+2028...) in the message (`printable`), writes a field value that
 one, a space, a quote or "=" as a JSON string (`label="a b"`), so `k=v` pairs stay
 unambiguous, and indents a traceback's lines, so only a record's first line starts at
 column 0.
+
+Every RPC writes one access-log line ("rpc", from the interceptor), so a client that
+calls fast would fill the disk the logs go to; credentials are not needed for a call
+that is refused. `AccessLimit` lets each tenant (the unauthenticated calls count as
+one, "") write `[log] access_per_s` of them a second, a second's worth in a burst;
+the lines past that are dropped, and the tenant's next line written says how many
+(`dropped`). Other records are never dropped.
 """
 
 from __future__ import annotations
@@ -18,13 +25,20 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
-from typing import Final, TextIO
+from typing import TYPE_CHECKING, Final, TextIO
 
 from dpu_agent import request_context
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 LEVELS: Final = ("debug", "info", "warning", "error")
 FORMATS: Final = ("json", "text")
+ACCESS_LOGGER: Final = "dpu_agent.interceptor"  # whose "rpc" records are access-log lines
+ACCESS_MESSAGE: Final = "rpc"
+ACCESS_PER_S: Final = 100  # [log] access_per_s's default
 
 # Attributes every LogRecord has; anything else came in through `extra=`.
 _STANDARD_ATTRS: Final = frozenset(
@@ -116,8 +130,46 @@ class TextFormatter(logging.Formatter):
         return "\n".join([line, *indented])
 
 
-def configure(level: str = "info", fmt: str = "json", stream: TextIO | None = None) -> None:
-    """Configure the root logger once for the agent process."""
+class AccessLimit(logging.Filter):
+    """At most `per_s` access-log lines a second per tenant (see the module docstring)."""
+
+    def __init__(self, per_s: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.per_s = per_s
+        self._clock = clock
+        self._tenants: dict[str, list[float]] = {}  # tenant -> [tokens, when, dropped]
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether to write the record; an access line written says what was dropped."""
+        if record.msg != ACCESS_MESSAGE:
+            return True
+        tenant = str(getattr(record, "tenant", ""))
+        with self._lock:
+            now = self._clock()
+            state = self._tenants.get(tenant)
+            if state is None:
+                state = self._tenants[tenant] = [float(self.per_s), now, 0]
+            tokens = min(float(self.per_s), state[0] + (now - state[1]) * self.per_s)
+            state[1] = now
+            if tokens < 1:
+                state[0] = tokens
+                state[2] += 1
+                return False
+            state[0] = tokens - 1
+            dropped, state[2] = int(state[2]), 0
+        if dropped:
+            record.dropped = dropped
+        return True
+
+
+def configure(
+    level: str = "info",
+    fmt: str = "json",
+    stream: TextIO | None = None,
+    access_per_s: int = ACCESS_PER_S,
+) -> None:
+    """Configure the root logger once for the agent process (`access_per_s` 0: no limit)."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
@@ -125,3 +177,8 @@ def configure(level: str = "info", fmt: str = "json", stream: TextIO | None = No
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    access = logging.getLogger(ACCESS_LOGGER)
+    for old_filter in [f for f in access.filters if isinstance(f, AccessLimit)]:
+        access.removeFilter(old_filter)
+    if access_per_s:
+        access.addFilter(AccessLimit(access_per_s))

@@ -9,11 +9,12 @@ from dpu_agent import logs, request_context
 
 @pytest.fixture(autouse=True)
 def restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    root, access = logging.getLogger(), logging.getLogger(logs.ACCESS_LOGGER)
+    handlers, level, filters = list(root.handlers), root.level, list(access.filters)
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    access.filters[:] = filters  # configure() put an access limit there
 
 
 def test_json_lines_carry_request_id_and_extra_fields():
@@ -96,3 +97,63 @@ def test_text_tracebacks_are_indented_and_escaped():
     assert first.endswith("failed")
     assert rest
     assert all(line.startswith("  ") for line in rest)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _access(log: logging.Logger, tenant: str) -> None:
+    log.info(logs.ACCESS_MESSAGE, extra={"method": "/dpu.v1.X/Y", "tenant": tenant, "code": "OK"})
+
+
+def test_each_tenant_writes_at_most_its_access_lines_a_second():
+    """A client calling fast wrote a line for every call, credentials or not (about
+    250 bytes each, 1,000 calls a second from one client): the log's disk filled at
+    the client's pace. Now a tenant writes `per_s` a second, a second's worth at once;
+    the next line written counts what was dropped; other records are never dropped."""
+    clock = _Clock()
+    limit = logs.AccessLimit(100, clock)
+    kept: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record)
+
+    log = logging.getLogger("dpu_agent.test_access")
+    log.propagate = False
+    log.addHandler(Keep())
+    log.addFilter(limit)
+    log.setLevel(logging.INFO)
+    for _ in range(250):
+        _access(log, "a")
+    assert len(kept) == 100  # the burst: a second's worth
+    _access(log, "b")  # another tenant has its own
+    log.warning("not an access line")
+    assert len(kept) == 102
+    clock.now += 0.5
+    for _ in range(60):
+        _access(log, "a")
+    a_lines = [r for r in kept if getattr(r, "tenant", None) == "a"]
+    assert len(a_lines) == 150
+    assert getattr(a_lines[100], "dropped", 0) == 150  # the first line after the drops
+    assert not hasattr(a_lines[101], "dropped")
+
+
+def test_access_lines_are_limited_as_configured():
+    stream = io.StringIO()
+    logs.configure("info", "json", stream, access_per_s=3)
+    log = logging.getLogger(logs.ACCESS_LOGGER)
+    for _ in range(10):
+        _access(log, "")
+    assert len(stream.getvalue().splitlines()) == 3
+    logs.configure("info", "json", stream, access_per_s=0)  # 0: every call, and no stale filter
+    for _ in range(10):
+        _access(log, "")
+    assert len(stream.getvalue().splitlines()) == 13
+    logs.configure("info", "json", stream)  # the default
+    assert [f.per_s for f in log.filters if isinstance(f, logs.AccessLimit)] == [logs.ACCESS_PER_S]
