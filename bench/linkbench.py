@@ -276,6 +276,21 @@ class Pump:
         return Run(list(self._times), elapsed, _cpu_seconds() - cpu0)
 
 
+class _Counting:
+    """A link sink for the bare queue pair: counts finished operations, takes no capsule."""
+
+    def __init__(self) -> None:
+        self.done = 0
+
+    def on_capsule(self, _data: memoryview) -> None:
+        pass
+
+    def on_done(self, _token: int, error: TransportError | None) -> None:
+        if error is not None:
+            raise error
+        self.done += 1
+
+
 def _cpu_seconds() -> float:
     times = os.times()
     return times.user + times.system
@@ -405,25 +420,14 @@ class LinkPair:
         """
         qp: Any = self.link._qp  # type: ignore[attr-defined]  # noqa: SLF001 - the bare queue pair
         staging, (addr, rkey) = self.pump.staging[0], self.pump.remote[0]
-        done = [0]
-
-        class Sink:
-            def on_capsule(self, _data: memoryview) -> None:
-                pass
-
-            def on_done(self, _token: int, error: TransportError | None) -> None:
-                if error is not None:
-                    raise error
-                done[0] += 1
-
-        sink = Sink()
+        sink = _Counting()
         samples = []
         for _ in range(count):
             start = time.perf_counter_ns()
             qp.post_rdma("write", staging, 0, length, (addr, rkey), 1)
-            while not done[0]:
+            while not sink.done:
                 qp.poll(sink, 1)
-            done[0] = 0
+            sink.done = 0
             samples.append(time.perf_counter_ns() - start)
         return samples
 
@@ -435,22 +439,11 @@ class LinkPair:
         """
         qp: Any = self.link._qp  # type: ignore[attr-defined]  # noqa: SLF001 - the bare queue pair
         slots = min(in_flight, len(self.pump.staging), len(self.pump.remote))
-        done = [0]
-
-        class Sink:
-            def on_capsule(self, _data: memoryview) -> None:
-                pass
-
-            def on_done(self, _token: int, error: TransportError | None) -> None:
-                if error is not None:
-                    raise error
-                done[0] += 1
-
-        sink = Sink()
+        sink = _Counting()
         posted = 0
         start = time.perf_counter()
-        while done[0] < count:
-            while posted < count and posted - done[0] < slots:
+        while sink.done < count:
+            while posted < count and posted - sink.done < slots:
                 slot = posted % slots
                 qp.post_rdma("write", self.pump.staging[slot], 0, length, self.pump.remote[slot], 1)
                 posted += 1
