@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 TIMEOUT: Final = 2.0  # seconds an ARP answer may take: the first request and one resend
 RESOLVERS: Final = 8  # hosts waited for at once; one more is refused at once
-PER_TENANT: Final = 2  # of those, for one tenant
+PER_TENANT: Final = 4  # of those, for one tenant (a host opens a few sessions at once)
 POLL_FIRST: Final = 0.001  # seconds between looks at the entry, doubling up to
 POLL_MAX: Final = 0.05
 DISCARD_PORT: Final = 9  # what the soliciting datagram is sent to (RFC 863)
