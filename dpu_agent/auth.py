@@ -84,6 +84,12 @@ def tenant() -> str:
     return current_principal().tenant
 
 
+def caller_tenant() -> str:
+    """The tenant of the RPC being served, "" outside one (no principal)."""
+    found = principal.get()
+    return "" if found is None else found.tenant
+
+
 def can_see(owner: str) -> bool:
     """Whether the caller may see a resource owned by tenant `owner`."""
     return current_principal().can_see(owner)

@@ -39,8 +39,7 @@ class FairLock:
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
         """Hold the lock, after the caller's tenant's earlier calls and one of each other's."""
-        caller = auth.principal.get()
-        tenant = "" if caller is None else caller.tenant
+        tenant = auth.caller_tenant()
         own = self._tenants.get(tenant)
         if own is None:
             own = self._tenants[tenant] = asyncio.Lock()

@@ -46,6 +46,5 @@ def _gate(tenant: str) -> asyncio.Semaphore:
 
 async def in_thread(fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
     """`asyncio.to_thread(fn, ...)`, behind the caller's tenant's share of the executor."""
-    caller = auth.principal.get()
-    async with _gate("" if caller is None else caller.tenant):
+    async with _gate(auth.caller_tenant()):
         return await asyncio.to_thread(fn, *args, **kwargs)

@@ -147,12 +147,6 @@ class Slots:
                 del self._held[tenant]
 
 
-def caller_tenant() -> str:
-    """The tenant of the RPC being served, "" outside one."""
-    found = auth.principal.get()
-    return "" if found is None else found.tenant
-
-
 _resolvers = Slots(RESOLVERS, PER_TENANT)
 
 
@@ -249,7 +243,7 @@ async def on_own_thread(
     asyncio's default executor is used, so work that hangs holds only its own place,
     and the agent can exit while it still runs.
     """
-    tenant = caller_tenant()
+    tenant = auth.caller_tenant()
     held = slots.take(tenant)
     if held is not None:
         raise busy(held)
