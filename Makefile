@@ -15,7 +15,6 @@ PY     := $(VENV)/bin/python
 TESTVM := /usr/bin/python3 deploy/testvm/testvm.py
 LINT_PATHS := dpu_agent host_client dpu_wire scripts tests deploy bench setup.py
 VM_JUNIT := .testvm/out/junit-vm.xml
-VM_IMAGE_ARCHIVE := .testvm/out/dpu-agent.tar  # the agent's image, for tests/vm/test_container_verbs.py
 # The core RDMA subset the arm64 guest runs (BlueField's ISA): raw RC QPs with 1 MiB
 # WRITE/READ, the verbs transport, 1000 mixed jobs through a real agent, volume I/O,
 # the agent SIGKILLed mid-jobs and with acknowledged writes in flight, the native core
@@ -88,11 +87,11 @@ vm-fetch: venv  ## download and cache the test VM's kernel and initramfs
 	$(TESTVM) fetch
 
 test-vm: venv  ## the RDMA suite inside the soft-RoCE test VM (with the agent's image); fails if it skipped or ran nothing
-	@mkdir -p $(dir $(VM_JUNIT)) && rm -f $(VM_JUNIT) $(VM_IMAGE_ARCHIVE)
+	@mkdir -p $(dir $(VM_JUNIT)) && rm -f $(VM_JUNIT)
 	IMAGE=$$(deploy/container/build.sh | tail -n 1) && \
-	    podman --runtime runc --cgroup-manager cgroupfs save --quiet -o $(VM_IMAGE_ARCHIVE) $$IMAGE && \
+	    STORE=$$(podman --runtime runc --cgroup-manager cgroupfs info --format '{{.Store.GraphRoot}}') && \
 	    $(TESTVM) run --timeout 2700 --mem 3072 --env DPU_CONTAINER_IMAGE=$$IMAGE \
-	    --env DPU_CONTAINER_ARCHIVE=$(CURDIR)/$(VM_IMAGE_ARCHIVE) -- \
+	    --env DPU_CONTAINER_STORE=$$STORE -- \
 	    $(PY) -m pytest tests/vm -p no:cacheprovider -p no:hypothesispytest -v --durations=20 \
 	    --junitxml=$(VM_JUNIT)
 	/usr/bin/python3 deploy/testvm/check_junit.py $(VM_JUNIT) --min-tests 1

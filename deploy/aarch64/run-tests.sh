@@ -13,6 +13,9 @@
 #                                            (deploy/testvm/testvm.py run --arch arm64)
 #   deploy/aarch64/run-tests.sh --binfmt     only install the emulator and register it
 #                                            (deploy/container/build.sh --arch arm64)
+#   deploy/aarch64/run-tests.sh --rootfs     only build the root filesystem if missing and
+#                                            print its path: build.sh --arch arm64 imports
+#                                            it as the image's build base
 #   --rebuild                                build the root filesystem and virtualenv anew
 #
 # Needs root (chroot, mounts, binfmt_misc) and the checkout's .venv (`make venv`): its pip
@@ -272,9 +275,10 @@ while [ $# -gt 0 ]; do
         --shell) MODE=shell ;;
         --prepare) MODE=prepare ;;
         --binfmt) MODE=binfmt ;;
+        --rootfs) MODE=rootfs ;;
         --rebuild) REBUILD=1 ;;
         --) shift; MODE=args; ARGS=("$@"); break ;;
-        -h|--help) sed -n '2,21s/^# \{0,1\}//p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift
@@ -286,6 +290,11 @@ T0=$(now)
 install_host_packages
 register_binfmt
 if [ "$MODE" = binfmt ]; then exit 0; fi
+if [ "$MODE" = rootfs ]; then
+    build_rootfs
+    echo "$ROOTFS"
+    exit 0
+fi
 download_wheels
 build_rootfs
 copy_interpreter_if_needed

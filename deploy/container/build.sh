@@ -11,7 +11,9 @@
 #                                             deploy/aarch64/run-tests.sh registers it)
 #
 # Prints the image name on its last line: localhost/dpu-agent:<version> for this
-# machine's architecture, localhost/dpu-agent:<version>-<arch> for another. Needs root
+# machine's architecture, localhost/dpu-agent:<version>-<arch> for another. For arm64 the
+# build stage runs on the arm64 suite's root filesystem (deploy/aarch64/run-tests.sh
+# --rootfs, which has the compiler and headers), made alongside the base. Needs root
 # (podman with runc and cgroupfs, as these machines need) and the checkout's .venv
 # (`make venv`: its pip fetches and builds the wheels). Caches the base tarball and the
 # wheelhouse in ${DPU_CONTAINER_CACHE:-~/.cache/dpu-container}, keyed by their inputs.
@@ -47,7 +49,7 @@ ARCH=$NATIVE
 while [ $# -gt 0 ]; do
     case $1 in
         --arch) ARCH=${2:?--arch needs amd64 or arm64}; shift ;;
-        -h|--help) sed -n '2,15s/^# \{0,1\}//p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,19s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift
@@ -101,6 +103,22 @@ base_image() {
     IMPORTED=$tag
 }
 
+# rootfs_image NAME DIR: the arm64 suite's root filesystem DIR (rootfs-<key>) imported as
+# localhost/<name>:<suite>-arm64-rootfs-<key>, without what the suite adds to it (/src,
+# /opt's virtualenv and native core, the wheels' mount point, pip's cache); sets IMPORTED.
+rootfs_image() {
+    local name=$1 dir=$2 tag
+    [ -e "$dir/.complete" ] || die "$dir is not a complete root filesystem"
+    tag=localhost/$name:$SUITE-$ARCH-${dir##*/}
+    if ! "${PODMAN[@]}" image exists "$tag"; then
+        log "podman import $dir (the arm64 suite's root filesystem) as $tag"
+        tar -C "$dir" --numeric-owner --exclude=./src --exclude='./opt/*' --exclude=./wheels \
+            --exclude=./root/.cache --exclude='./tmp/*' -cf - . \
+            | "${PODMAN[@]}" import --arch "$ARCH" - "$tag" >/dev/null
+    fi
+    IMPORTED=$tag
+}
+
 project_requirements() {
     /usr/bin/python3 -c 'import tomllib, sys
 print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' \
@@ -137,9 +155,23 @@ T0=$(now)
 install_host_packages
 # arm64 on this machine: qemu-user registered with binfmt_misc, as the arm64 suite does
 [ "$ARCH" = "$NATIVE" ] || deploy/aarch64/run-tests.sh --binfmt
-base_image dpu-base "${BASE_PKGS[@]}"
-BASE=$IMPORTED
-base_image dpu-build-base "${BUILD_PKGS[@]}"
+if [ "$ARCH" = arm64 ]; then
+    # The build base is the arm64 suite's root filesystem (a superset of BUILD_PKGS; the
+    # suite reuses it), made by a second emulated mmdebstrap while the first makes the
+    # base: each is one emulated process for minutes, and the machine has cores for both.
+    ROOTFS_OUT=$(mktemp)
+    deploy/aarch64/run-tests.sh --rootfs >"$ROOTFS_OUT" &
+    ROOTFS_PID=$!
+    base_image dpu-base "${BASE_PKGS[@]}"
+    BASE=$IMPORTED
+    wait "$ROOTFS_PID" || die "the arm64 root filesystem (deploy/aarch64/run-tests.sh --rootfs) failed"
+    rootfs_image dpu-build-base "$(tail -n 1 "$ROOTFS_OUT")"
+    rm -f "$ROOTFS_OUT"
+else
+    base_image dpu-base "${BASE_PKGS[@]}"
+    BASE=$IMPORTED
+    base_image dpu-build-base "${BUILD_PKGS[@]}"
+fi
 BUILD_BASE=$IMPORTED
 wheelhouse
 STAGE=$(mktemp -d)

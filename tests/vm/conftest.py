@@ -43,7 +43,7 @@ def _run_here() -> bool:
     return any(os.environ.get(name) == "1" for name in RUN_HERE_ENV)
 
 
-LAST = SUITE_DIR / "test_container_verbs.py"  # loads an image into the guest's memory
+LAST = SUITE_DIR / "test_container_verbs.py"  # podman and its clean-up processes
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
