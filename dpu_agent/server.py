@@ -33,7 +33,6 @@ from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
 from dpu_agent.network.table import FlowTable
 from dpu_agent.network.tags import TenantTags
-from dpu_agent.network.tc_backend import TcFlowBackend
 from dpu_agent.quota import Quotas
 from dpu_agent.services.agent_info import AgentInfoService
 from dpu_agent.services.jobs import JobService
@@ -151,12 +150,14 @@ def _flow_table(config: AgentConfig) -> FlowTable | None:
     if config.network_backend == "none":
         return None
     patterns = [p.strip() for p in config.network_ports.split(",") if p.strip()]
-    memory = config.network_backend == "memory"
-    backend: FlowBackend = (
-        MemoryFlowBackend()
-        if memory
-        else TcFlowBackend(patterns, netns=config.network_netns or None)
-    )
+    backend: FlowBackend
+    if config.network_backend == "memory":
+        backend = MemoryFlowBackend()
+    else:
+        # pyroute2 is a third of the agent's import time: only a tc agent pays for it
+        from dpu_agent.network.tc_backend import TcFlowBackend  # noqa: PLC0415
+
+        backend = TcFlowBackend(patterns, netns=config.network_netns or None)
     table = FlowTable(backend, RuleStore(rules_file(config)))
     report = table.start()
     log.info(
