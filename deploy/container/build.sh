@@ -9,6 +9,8 @@
 #   deploy/container/build.sh                 the image for this machine (amd64 here)
 #   deploy/container/build.sh --arch arm64    the arm64 image (qemu-user binfmt, as
 #                                             deploy/aarch64/run-tests.sh registers it)
+#   deploy/container/build.sh --bases [--arch arm64]   only what the image is built from
+#                                             (bases, wheelhouse), cached for a later build
 #
 # Prints the image name on its last line: localhost/dpu-agent:<version> for this
 # machine's architecture, localhost/dpu-agent:<version>-<arch> for another. For arm64 the
@@ -46,10 +48,12 @@ now() { date +%s; }
 
 NATIVE=$(dpkg --print-architecture)
 ARCH=$NATIVE
+BASES_ONLY=0
 while [ $# -gt 0 ]; do
     case $1 in
         --arch) ARCH=${2:?--arch needs amd64 or arm64}; shift ;;
-        -h|--help) sed -n '2,19s/^# \{0,1\}//p' "$0"; exit 0 ;;
+        --bases) BASES_ONLY=1 ;;
+        -h|--help) sed -n '2,21s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift
@@ -159,12 +163,20 @@ if [ "$ARCH" = arm64 ]; then
     # The build base is the arm64 suite's root filesystem (a superset of BUILD_PKGS; the
     # suite reuses it), made by a second emulated mmdebstrap while the first makes the
     # base: each is one emulated process for minutes, and the machine has cores for both.
+    # With --bases (`make test` runs it beside the host suite, which leaves about one core
+    # idle) one after the other, so that it takes one core.
     ROOTFS_OUT=$(mktemp)
-    deploy/aarch64/run-tests.sh --rootfs >"$ROOTFS_OUT" &
-    ROOTFS_PID=$!
-    base_image dpu-base "${BASE_PKGS[@]}"
+    ROOTFS_FAILED="the arm64 root filesystem (deploy/aarch64/run-tests.sh --rootfs) failed"
+    if [ "$BASES_ONLY" = 1 ]; then
+        deploy/aarch64/run-tests.sh --rootfs >"$ROOTFS_OUT" || die "$ROOTFS_FAILED"
+        base_image dpu-base "${BASE_PKGS[@]}"
+    else
+        deploy/aarch64/run-tests.sh --rootfs >"$ROOTFS_OUT" &
+        ROOTFS_PID=$!
+        base_image dpu-base "${BASE_PKGS[@]}"
+        wait "$ROOTFS_PID" || die "$ROOTFS_FAILED"
+    fi
     BASE=$IMPORTED
-    wait "$ROOTFS_PID" || die "the arm64 root filesystem (deploy/aarch64/run-tests.sh --rootfs) failed"
     rootfs_image dpu-build-base "$(tail -n 1 "$ROOTFS_OUT")"
     rm -f "$ROOTFS_OUT"
 else
@@ -174,6 +186,10 @@ else
 fi
 BUILD_BASE=$IMPORTED
 wheelhouse
+if [ "$BASES_ONLY" = 1 ]; then
+    log "bases and wheelhouse for $ARCH ready in $(($(now) - T0)) s"
+    exit 0
+fi
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE/wheels" "$STAGE/sdist" "$STAGE/deploy/container"
