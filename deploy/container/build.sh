@@ -163,20 +163,13 @@ if [ "$ARCH" = arm64 ]; then
     # The build base is the arm64 suite's root filesystem (a superset of BUILD_PKGS; the
     # suite reuses it), made by a second emulated mmdebstrap while the first makes the
     # base: each is one emulated process for minutes, and the machine has cores for both.
-    # With --bases (`make test` runs it beside the host suite, which leaves about one core
-    # idle) one after the other, so that it takes one core.
     ROOTFS_OUT=$(mktemp)
-    ROOTFS_FAILED="the arm64 root filesystem (deploy/aarch64/run-tests.sh --rootfs) failed"
-    if [ "$BASES_ONLY" = 1 ]; then
-        deploy/aarch64/run-tests.sh --rootfs >"$ROOTFS_OUT" || die "$ROOTFS_FAILED"
-        base_image dpu-base "${BASE_PKGS[@]}"
-    else
-        deploy/aarch64/run-tests.sh --rootfs >"$ROOTFS_OUT" &
-        ROOTFS_PID=$!
-        base_image dpu-base "${BASE_PKGS[@]}"
-        wait "$ROOTFS_PID" || die "$ROOTFS_FAILED"
-    fi
+    deploy/aarch64/run-tests.sh --rootfs >"$ROOTFS_OUT" &
+    ROOTFS_PID=$!
+    base_image dpu-base "${BASE_PKGS[@]}"
     BASE=$IMPORTED
+    wait "$ROOTFS_PID" \
+        || die "the arm64 root filesystem (deploy/aarch64/run-tests.sh --rootfs) failed"
     rootfs_image dpu-build-base "$(tail -n 1 "$ROOTFS_OUT")"
     rm -f "$ROOTFS_OUT"
 else
