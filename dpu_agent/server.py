@@ -24,10 +24,7 @@ from dpu_agent.dataplane.bus import CompletionBus
 from dpu_agent.dataplane.manager import ManagerSettings, SessionManager
 from dpu_agent.dataplane.reactor import Reactor
 from dpu_agent.errors import AgentError
-from dpu_agent.events import MqttEventPublisher, MqttSettings
 from dpu_agent.interceptor import RpcInterceptor
-from dpu_agent.metrics import AgentMetrics
-from dpu_agent.metrics_http import MetricsServer
 from dpu_agent.network import tags
 from dpu_agent.network.memory_backend import MemoryFlowBackend
 from dpu_agent.network.rulestore import RuleStore
@@ -63,6 +60,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
     from dpu_agent.config import AgentConfig
+    from dpu_agent.events import MqttEventPublisher
+    from dpu_agent.metrics import AgentMetrics
+    from dpu_agent.metrics_http import MetricsServer
     from dpu_agent.network.backend import FlowBackend
     from dpu_agent.virtualization.manager import FunctionManager
 
@@ -154,8 +154,7 @@ def _flow_table(config: AgentConfig) -> FlowTable | None:
     if config.network_backend == "memory":
         backend = MemoryFlowBackend()
     else:
-        # pyroute2 is a third of the agent's import time: only a tc agent pays for it
-        from dpu_agent.network.tc_backend import TcFlowBackend  # noqa: PLC0415
+        from dpu_agent.network.tc_backend import TcFlowBackend  # noqa: PLC0415 - see _event_publisher
 
         backend = TcFlowBackend(patterns, netns=config.network_netns or None)
     table = FlowTable(backend, RuleStore(rules_file(config)))
@@ -177,6 +176,10 @@ def _event_publisher(
     start_time: timestamp_pb2.Timestamp,
     telemetry: Callable[[], dict[str, object]],
 ) -> MqttEventPublisher:
+    # aiomqtt, prometheus_client and pyroute2 are imported by the agents that use them
+    # only: together about half the agent's import time (a second of it in the test VM)
+    from dpu_agent.events import MqttEventPublisher, MqttSettings  # noqa: PLC0415
+
     password = None
     if config.mqtt_password_file:
         try:
@@ -286,6 +289,8 @@ class AgentServer:
         if cfg.mqtt_enabled:
             self.events = _event_publisher(cfg, start_time, self._session_stats)
         if cfg.metrics_listen:
+            from dpu_agent.metrics import AgentMetrics  # noqa: PLC0415 - see _event_publisher
+
             self.metrics = AgentMetrics(cfg.agent_id, __version__)
         bus = CompletionBus()
         if self.metrics is not None:
@@ -434,6 +439,8 @@ class AgentServer:
         self.metrics.observe(
             sessions=self.sessions, events=self.events, store=self.store, flows=self.flows
         )
+        from dpu_agent.metrics_http import MetricsServer  # noqa: PLC0415 - see _event_publisher
+
         endpoint = MetricsServer(self.metrics.registry)
         listen = self.config.metrics_listen
         try:
