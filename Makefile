@@ -63,10 +63,10 @@ test-host: venv  ## unit, integration, fault, load, fuzz, crash-torture and tcp 
 # NICE: a prefix for the recipes `make test` runs beside another suite (nice -n 19).
 NICE :=
 
-test-aarch64: venv  ## unit + tcp integration suites on arm64 under qemu-user (root; ~3 min, ~7 min the first time)
+test-aarch64: venv  ## unit + tcp integration suites on arm64 under qemu-user (root; ~12 min, its virtualenv 2 of them)
 	$(NICE) deploy/aarch64/run-tests.sh
 
-test-aarch64-rdma: venv  ## the core RDMA subset in an arm64 guest (cortex-a72, rxe0/rxe1) under TCG (root; ~3 min)
+test-aarch64-rdma: venv  ## the core RDMA subset in an arm64 guest (cortex-a72, rxe0/rxe1) under TCG (root; ~5 min)
 	@mkdir -p $(dir $(A64_JUNIT)) && rm -f $(A64_JUNIT)
 	$(TESTVM) run --arch arm64 --timeout 2400 -- python -m pytest $(A64_RDMA_TESTS) \
 	    -p no:cacheprovider -p no:hypothesispytest -v --durations=10 --junitxml=/src/$(A64_JUNIT)
