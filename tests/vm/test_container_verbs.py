@@ -72,7 +72,9 @@ def podman_env() -> dict[str, str]:
     return {**os.environ, "CONTAINERS_STORAGE_CONF": str(conf)}
 
 
-def podman(*args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+def podman(
+    *args: str, timeout: float = 600.0, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [*PODMAN, *args],
         capture_output=True,
@@ -81,7 +83,7 @@ def podman(*args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[st
         timeout=timeout,
         env=podman_env(),
     )
-    if result.returncode != 0:
+    if check and result.returncode != 0:
         raise AssertionError(f"podman {' '.join(args[:2])} failed: {result.stderr[-2000:]}")
     return result
 
@@ -131,9 +133,7 @@ def agent_in_container(
     )
     deadline = time.monotonic() + 180
     while not (state / "ready").exists():
-        logs = subprocess.run(
-            [*PODMAN, "logs", name], capture_output=True, text=True, check=False, env=podman_env()
-        ).stdout
+        logs = podman("logs", name, check=False).stdout
         running = podman("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
         assert running == "true", f"the agent's container stopped:\n{logs}"
         assert time.monotonic() < deadline, f"the agent did not start:\n{logs}"
@@ -144,9 +144,7 @@ def agent_in_container(
         code = podman("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
         assert code == "0", podman("logs", name).stdout
     finally:
-        subprocess.run(
-            [*PODMAN, "rm", "--force", name], capture_output=True, check=False, env=podman_env()
-        )
+        podman("rm", "--force", name, check=False)
         settle()
 
 
